@@ -1,0 +1,50 @@
+# Every target installs what it needs on first use; re-runs reuse .venv and the cached Horovod wheel.
+PY        := .venv/bin/python
+PIP       := $(PY) -m pip
+STAMP     := .venv/.hvdcomp-stamps
+CONSTRAIN := requirements/constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: all install system-deps horovod test test-fast lint demo clean-venv
+
+all: install
+
+system-deps:
+	@if ! command -v mpicxx >/dev/null || ! command -v mpirun >/dev/null || ! command -v cmake >/dev/null; then \
+	  echo "installing Debian packages: libopenmpi-dev openmpi-bin cmake g++ make"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "error: need root (or install them yourself)" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    libopenmpi-dev openmpi-bin cmake g++ make >/dev/null; \
+	fi
+
+$(STAMP)/torch: $(CONSTRAIN)
+	@test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c $(CONSTRAIN) torch torchvision \
+	  setuptools wheel packaging numpy cloudpickle psutil pyyaml cffi
+	@mkdir -p $(STAMP) && touch $@
+
+horovod: system-deps $(STAMP)/torch
+	PYTHON=$(PY) scripts/install_horovod.sh
+
+$(STAMP)/package: setup.py $(CONSTRAIN) | $(STAMP)/torch
+	$(MAKE) horovod
+	$(PIP) install -q -c $(CONSTRAIN) --no-build-isolation -e ".[mpi,examples,dev]"
+	@touch $@
+
+install: system-deps horovod $(STAMP)/package
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	.venv/bin/ruff check .
+
+demo: install
+	$(PY) examples/smoke_allreduce.py
+
+clean-venv:
+	rm -rf .venv

@@ -1,0 +1,113 @@
+"""Summable bit-packed lanes.
+
+Each of W workers holds small integers ``v`` (one per element) in ``[-offset, span - offset]``.
+They are stored offset-binary (``v + offset`` in ``[0, span]``) in lanes of
+``lane_width = bit_length(span * W)`` bits, ``lanes_per_word = word_bits // lane_width`` lanes per
+64-bit word. Because every lane can hold the sum of W lane values without carrying into its
+neighbour, and the word's top bits stay clear, **the integer sum of the workers' words equals the
+packed lane-wise sums** — in any reduction order, partial (ring) sums included. ``unpack`` recovers
+the exact sums of ``v`` over the workers.
+
+``word_bits`` is 63 for int64 words summed as integers (the sign bit stays clear, so no partial sum
+overflows) and fewer for words carried as float64 values (see ``carrier.word_bits``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT64_WORD_BITS = 63
+WORD_STORAGE_BITS = 64
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    """How W workers' values in ``[-offset, span - offset]`` share int64 words.
+
+    Attributes:
+        span: each worker's offset value ``v + offset`` lies in ``[0, span]``; ``span >= 1``.
+        world_size: number of workers whose words are summed, ``W >= 1``.
+        word_bits: usable low bits of each word (63 for int64 Sum, fewer for float64 carriers).
+        offset: added to each value before packing (``s`` for signed levels in ``[-s, s]``).
+    """
+
+    span: int
+    world_size: int
+    word_bits: int = INT64_WORD_BITS
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.span < 1:
+            raise ValueError(f"span must be >= 1, got {self.span}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 1 <= self.word_bits <= INT64_WORD_BITS:
+            raise ValueError(f"word_bits must be in [1, {INT64_WORD_BITS}], got {self.word_bits}")
+        if not 0 <= self.offset <= self.span:
+            raise ValueError(f"offset must be in [0, span={self.span}], got {self.offset}")
+        if self.lane_width > self.word_bits:
+            raise ValueError(
+                f"a lane for span {self.span} summed over {self.world_size} workers needs "
+                f"{self.lane_width} bits, more than the {self.word_bits} usable bits of a word"
+            )
+
+    @classmethod
+    def for_levels(cls, s: int, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
+        """Layout for signed levels in ``[-s, s]`` (stored as ``level + s`` in ``[0, 2s]``)."""
+        return cls(span=2 * s, world_size=world_size, word_bits=word_bits, offset=s)
+
+    @property
+    def lane_width(self) -> int:
+        """Bits per lane: ``ceil(log2(span * W + 1))``, enough for the largest possible sum."""
+        return (self.span * self.world_size).bit_length()
+
+    @property
+    def lanes_per_word(self) -> int:
+        return self.word_bits // self.lane_width
+
+    @property
+    def bits_per_element(self) -> float:
+        """Wire bits per element (64-bit words; ignores the padding of the last word)."""
+        return WORD_STORAGE_BITS / self.lanes_per_word
+
+    def num_words(self, numel: int) -> int:
+        return -(-numel // self.lanes_per_word)
+
+    def _shifts(self, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.lanes_per_word, device=device, dtype=torch.int64) * self.lane_width
+
+    def pack(self, values: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """Pack one worker's integer ``values`` (any integer dtype, 1-D) into int64 words.
+
+        Returns an int64 tensor of ``num_words(values.numel())`` words. With ``validate`` it raises
+        ``ValueError`` for values outside ``[-offset, span - offset]``.
+        """
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"pack expects an integer tensor, got {values.dtype}")
+        flat = values.reshape(-1)
+        if validate and flat.numel():
+            lo, hi = torch.aminmax(flat)
+            if lo.item() < -self.offset or hi.item() > self.span - self.offset:
+                raise ValueError(
+                    f"values in [{lo.item()}, {hi.item()}] outside the layout's "
+                    f"[{-self.offset}, {self.span - self.offset}]"
+                )
+        words = self.num_words(flat.numel())
+        lanes = torch.zeros(words * self.lanes_per_word, dtype=torch.int64, device=flat.device)
+        lanes[: flat.numel()] = flat
+        lanes[: flat.numel()] += self.offset
+        lanes = lanes.view(words, self.lanes_per_word).bitwise_left_shift_(self._shifts(flat.device))
+        return lanes.sum(dim=1)
+
+    def unpack(self, word_sums: torch.Tensor, numel: int) -> torch.Tensor:
+        """Sums of the W workers' values (int64, length ``numel``) from the summed int64 words."""
+        if word_sums.dtype != torch.int64 or word_sums.dim() != 1:
+            raise TypeError(f"unpack expects 1-D int64 words, got {word_sums.dtype} {tuple(word_sums.shape)}")
+        if word_sums.numel() != self.num_words(numel):
+            raise ValueError(f"{word_sums.numel()} words cannot hold {numel} elements of this layout")
+        mask = (1 << self.lane_width) - 1
+        lanes = word_sums.unsqueeze(1).bitwise_right_shift(self._shifts(word_sums.device)).bitwise_and_(mask)
+        sums = lanes.view(-1)[:numel]
+        return sums - self.offset * self.world_size

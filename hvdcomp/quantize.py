@@ -1,0 +1,186 @@
+"""Max-norm stochastic quantization whose integer levels can be summed across workers.
+
+Pure tensor math, no collectives. One exchange of a W-worker reduction goes:
+
+1. ``local_stats(x)`` on every worker, reduced with **MAX** -> shared per-chunk scale ``M`` and a
+   flag that some worker saw a non-finite value;
+2. (multi-scale only) ``agreement_words(x, stats)``, reduced with **SUM** -> ``agreed_scales``:
+   per element the finest resolution that every worker can represent;
+3. ``encode(x, stats, agreed)``, reduced with **SUM** -> ``decode(...)`` = mean over the workers of
+   their dequantized values.
+
+Each worker's level for an element ``x`` with ``r = |x| / M`` at resolution ``s`` is
+``sign(x) * floor(r * s + U)``, ``U ~ Uniform[0, 1)``, so ``E[level] * M / s = x`` (unbiased) and the
+per-element variance is at most ``(M / s)**2 / 4``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .packing import INT64_WORD_BITS, LaneLayout
+
+MIN_BITS = 1
+MAX_BITS = 16
+
+
+def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
+    bits = tuple(bits)
+    if not bits:
+        raise ValueError("bits must name at least one resolution")
+    for b in bits:
+        if isinstance(b, bool) or not isinstance(b, int) or not MIN_BITS <= b <= MAX_BITS:
+            raise ValueError(f"bits must be integers in [{MIN_BITS}, {MAX_BITS}], got {b!r}")
+    if any(lo >= hi for lo, hi in zip(bits, bits[1:])):
+        raise ValueError(f"multi-scale bits must be strictly increasing, got {bits}")
+    return bits
+
+
+class MaxNormQuantizer:
+    """Unbiased max-norm quantizer at one (``bits=(b,)``) or several (``bits=(b1 < b2 < ...)``) resolutions.
+
+    Resolution ``j`` has ``s_j = 2**bits[j] - 1`` levels per sign. Every level travels in the range of
+    the coarsest resolution ``[-s_1, s_1]``; with several resolutions an element uses the finest
+    ``s_j`` for which ``r * s_j <= s_1`` holds on *every* worker (the seed's MIN rule), so fine
+    resolutions serve the many small elements at the coarse resolution's wire cost.
+
+    Args:
+        bits: resolutions in bits per sign, strictly increasing, each in [1, 16].
+        chunk_size: elements sharing one scale ``M``; ``None`` for one scale per tensor.
+    """
+
+    def __init__(self, bits: Sequence[int], chunk_size: int | None = None) -> None:
+        self.bits = _validate_bits(bits)
+        valid_chunk = isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1
+        if chunk_size is not None and not valid_chunk:
+            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.levels = tuple(2**b - 1 for b in self.bits)
+
+    @property
+    def coarse_levels(self) -> int:
+        return self.levels[0]
+
+    @property
+    def multiscale(self) -> bool:
+        return len(self.levels) > 1
+
+    def num_chunks(self, numel: int) -> int:
+        if numel == 0:
+            return 0
+        return 1 if self.chunk_size is None else -(-numel // self.chunk_size)
+
+    # -- step 1: shared scale --------------------------------------------------------------------
+    def local_stats(self, x: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[num_chunks + 1]``: per-chunk max of finite ``|x|``, then 1.0 if ``source``
+        (default ``x``; e.g. the whole gradient when ``x`` is a selection of it) has NaN/Inf.
+
+        Reduce with MAX across workers.
+        """
+        n = x.numel()
+        mags = x.detach().reshape(-1).abs().float()
+        nonfinite = ~torch.isfinite(mags if source is None else source).all()
+        mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
+        stats = torch.zeros(self.num_chunks(n) + 1, dtype=torch.float32, device=x.device)
+        if n:
+            if self.chunk_size is None:
+                stats[0] = mags.max()
+            else:
+                chunks = self.num_chunks(n)
+                padded = torch.zeros(chunks * self.chunk_size, dtype=torch.float32, device=x.device)
+                padded[:n] = mags
+                stats[:chunks] = padded.view(chunks, self.chunk_size).amax(dim=1)
+        stats[-1] = nonfinite.float()
+        return stats
+
+    @staticmethod
+    def saw_nonfinite(stats: torch.Tensor) -> bool:
+        """Whether any worker's tensor held NaN/Inf, from the MAX-reduced ``local_stats``."""
+        return bool(stats[-1].item() > 0)
+
+    def _scale_per_element(self, stats: torch.Tensor, numel: int) -> torch.Tensor:
+        maxima = stats[:-1]
+        if self.chunk_size is None:
+            return maxima.expand(numel)
+        return maxima.repeat_interleave(self.chunk_size)[:numel]
+
+    def _ratio(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        """``|x| / M`` in [0, 1] per element (0 where M is 0)."""
+        scale = self._scale_per_element(stats, x.numel())
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return x.reshape(-1).abs().float().div_(safe).clamp_(max=1.0)
+
+    # -- step 2: agreement on the resolution (multi-scale only) -----------------------------------
+    def agreement_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
+        """One 0/1 lane per element and finer resolution, counted over the workers."""
+        return LaneLayout(span=1, world_size=world_size, word_bits=word_bits)
+
+    def agreement_words(
+        self, x: torch.Tensor, stats: torch.Tensor, world_size: int, word_bits: int = INT64_WORD_BITS
+    ) -> torch.Tensor:
+        """int64 words of "resolution j fits" bits for j = 2..L (element-major per j). Reduce with SUM."""
+        if not self.multiscale:
+            raise RuntimeError("agreement is only needed with several resolutions")
+        ratio = self._ratio(x, stats)
+        fits = torch.stack([ratio * s <= self.coarse_levels for s in self.levels[1:]])
+        return self.agreement_layout(world_size, word_bits).pack(fits.reshape(-1).to(torch.int64), validate=False)
+
+    def agreed_scales(
+        self, word_sums: torch.Tensor, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS
+    ) -> torch.Tensor:
+        """int64 ``[numel]``: index of the finest resolution every worker can represent."""
+        counts = self.agreement_layout(world_size, word_bits).unpack(word_sums, numel * (len(self.levels) - 1))
+        # Each worker's "fits" bits are monotone in j, so "all fit" is too: count the leading ones.
+        return (counts.view(len(self.levels) - 1, numel) == world_size).sum(dim=0)
+
+    # -- step 3: the summed payload ---------------------------------------------------------------
+    def payload_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
+        return LaneLayout.for_levels(self.coarse_levels, world_size, word_bits)
+
+    def _levels_per_element(self, agreed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        if agreed is None:
+            if self.multiscale:
+                raise ValueError("multi-scale encode/decode needs the agreed resolutions")
+            return torch.tensor(float(self.coarse_levels), device=device)
+        return torch.tensor(self.levels, dtype=torch.float32, device=device)[agreed]
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        stats: torch.Tensor,
+        agreed: torch.Tensor | None,
+        world_size: int,
+        word_bits: int = INT64_WORD_BITS,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """int64 words of this worker's signed levels (finite ``x`` only). Reduce with SUM."""
+        ratio = self._ratio(x, stats)
+        noise = torch.rand(ratio.shape, generator=generator, device=ratio.device, dtype=torch.float32)
+        magnitude = ratio.mul_(self._levels_per_element(agreed, x.device)).add_(noise).floor_()
+        magnitude = magnitude.clamp_(max=self.coarse_levels).to(torch.int64)
+        levels = torch.where(x.reshape(-1) < 0, -magnitude, magnitude)
+        return self.payload_layout(world_size, word_bits).pack(levels, validate=False)
+
+    def decode(
+        self,
+        word_sums: torch.Tensor,
+        stats: torch.Tensor,
+        agreed: torch.Tensor | None,
+        numel: int,
+        world_size: int,
+        word_bits: int = INT64_WORD_BITS,
+    ) -> torch.Tensor:
+        """float32 ``[numel]``: the mean over the workers of their dequantized values."""
+        level_sums = self.payload_layout(world_size, word_bits).unpack(word_sums, numel).float()
+        unit = self._scale_per_element(stats, numel) / self._levels_per_element(agreed, word_sums.device)
+        return level_sums.mul_(unit).div_(world_size)
+
+    def wire_bits(self, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS) -> int:
+        """Bits one worker sends for ``numel`` elements: scales + flag, agreement, payload."""
+        bits = 32 * (self.num_chunks(numel) + 1)
+        bits += 64 * self.payload_layout(world_size, word_bits).num_words(numel)
+        if self.multiscale:
+            bits += 64 * self.agreement_layout(world_size, word_bits).num_words(numel * (len(self.levels) - 1))
+        return bits

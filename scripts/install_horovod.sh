@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Build Horovod 0.28.1 from the PyPI sdist against the installed PyTorch and install it.
+#
+# Horovod 0.28.1 (its last release) does not build against PyTorch >= 2.1 as shipped: its CMake asks
+# for C++14 while torch's headers need C++17 (torch <= 2.13) or C++20 (torch >= 2.14). This script
+# patches the standard, forces a CPU-only torch extension when no usable CUDA toolkit + NCCL + GPU
+# is present, builds a wheel once, caches it (keyed by Horovod, torch, Python and flavour) and installs
+# it. Re-runs with a cached wheel take seconds; re-runs with Horovod already installed take less.
+#
+# Environment:
+#   PYTHON                   interpreter of the target environment (default: python3 on PATH)
+#   HVDCOMP_HOROVOD_FLAVOUR  cpu | gpu | auto (default auto: gpu only if nvcc, NCCL and a GPU exist)
+#   HVDCOMP_CACHE_DIR        wheel cache (default: ~/.cache/hvdcomp)
+#   HVDCOMP_FORCE_REBUILD=1  ignore the cached wheel and any installed Horovod
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+PYTHON=${PYTHON:-python3}
+FLAVOUR=${HVDCOMP_HOROVOD_FLAVOUR:-auto}
+CACHE_DIR=${HVDCOMP_CACHE_DIR:-$HOME/.cache/hvdcomp}
+FORCE=${HVDCOMP_FORCE_REBUILD:-0}
+
+die() { echo "install_horovod: error: $*" >&2; exit 1; }
+log() { echo "install_horovod: $*" >&2; }
+
+command -v "$PYTHON" >/dev/null || die "python interpreter '$PYTHON' not found (set PYTHON=...)"
+"$PYTHON" -c "import torch" 2>/dev/null ||
+  die "PyTorch is not importable from $PYTHON; install torch first (make venv does)"
+for tool in cmake g++ make; do
+  command -v "$tool" >/dev/null || die "'$tool' not found; install it (Debian: apt-get install cmake g++ make)"
+done
+command -v mpicxx >/dev/null ||
+  die "'mpicxx' not found; install OpenMPI (Debian: apt-get install libopenmpi-dev openmpi-bin)"
+for mod in setuptools wheel packaging numpy cloudpickle psutil yaml cffi; do
+  "$PYTHON" -c "import $mod" 2>/dev/null ||
+    die "python module '$mod' missing in $PYTHON (pip install setuptools wheel packaging numpy cloudpickle psutil pyyaml cffi)"
+done
+
+TORCH_VERSION=$("$PYTHON" -c "import torch; print(torch.__version__.split('+')[0])")
+PY_TAG=$("$PYTHON" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
+# torch >= 2.14 headers need C++20; 2.1 .. 2.13 need C++17.
+TORCH_CXX_STD=$("$PYTHON" -c "
+import torch
+major, minor = (int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
+print(20 if (major, minor) >= (2, 14) else 17)")
+
+gpu_usable() {
+  command -v nvcc >/dev/null || return 1
+  command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || return 1
+  ldconfig -p | grep -q libnccl || return 1
+  "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || return 1
+}
+case "$FLAVOUR" in
+  auto) if gpu_usable; then FLAVOUR=gpu; else FLAVOUR=cpu; fi ;;
+  cpu | gpu) ;;
+  *) die "HVDCOMP_HOROVOD_FLAVOUR must be cpu, gpu or auto (got '$FLAVOUR')" ;;
+esac
+if [ "$FLAVOUR" = gpu ] && ! gpu_usable; then
+  die "GPU build asked for but nvcc, nvidia-smi, NCCL or a CUDA-enabled torch is missing"
+fi
+
+KEY="horovod-${HOROVOD_VERSION}-torch${TORCH_VERSION}-${PY_TAG}-${FLAVOUR}"
+WHEEL_DIR="$CACHE_DIR/wheels/$KEY"
+
+installed_ok() {
+  "$PYTHON" - "$HOROVOD_VERSION" "$FLAVOUR" <<'PY' 2>/dev/null
+import sys
+import horovod
+import horovod.torch as hvd
+want_version, flavour = sys.argv[1], sys.argv[2]
+ok = horovod.__version__ == want_version and hvd.gloo_built() and hvd.mpi_built()
+if flavour == "gpu":
+    ok = ok and hvd.nccl_built()
+sys.exit(0 if ok else 1)
+PY
+}
+
+if [ "$FORCE" != 1 ] && installed_ok; then
+  log "Horovod $HOROVOD_VERSION ($FLAVOUR) already installed and working; nothing to do"
+  exit 0
+fi
+
+if [ "$FORCE" = 1 ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+  log "building $KEY (a few minutes)"
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  "$PYTHON" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work" ||
+    die "could not download the horovod $HOROVOD_VERSION sdist from PyPI"
+  tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
+  src="$work/horovod-$HOROVOD_VERSION"
+
+  sed -i 's/^set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt"
+  sed -i "s/    set(CMAKE_CXX_STANDARD 14)/    set(CMAKE_CXX_STANDARD $TORCH_CXX_STD)/" \
+    "$src/horovod/torch/CMakeLists.txt"
+  grep -q '^set(CMAKE_CXX_STANDARD 17)' "$src/CMakeLists.txt" || die "patching CMakeLists.txt failed"
+  grep -q "set(CMAKE_CXX_STANDARD $TORCH_CXX_STD)" "$src/horovod/torch/CMakeLists.txt" ||
+    die "patching horovod/torch/CMakeLists.txt failed"
+  if [ "$FLAVOUR" = cpu ]; then
+    # Tell FindPytorch that torch has no CUDA, so a CUDA build of torch beside a stray nvcc does not
+    # make the configure step look for CUDA libraries that are not there.
+    sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' \
+      "$src/cmake/Modules/FindPytorch.cmake"
+    grep -q 'print(False)' "$src/cmake/Modules/FindPytorch.cmake" || die "patching FindPytorch.cmake failed"
+  fi
+
+  export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+  export HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_CPU_OPERATIONS=GLOO
+  if [ "$FLAVOUR" = gpu ]; then
+    export HOROVOD_GPU_OPERATIONS=NCCL
+  else
+    export HOROVOD_WITHOUT_GPU=1 CUDA_VISIBLE_DEVICES=""
+    unset HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_BROADCAST || true
+  fi
+  export MAKEFLAGS="-j$(nproc)"
+  mkdir -p "$work/dist"
+  "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" "$src" ||
+    die "building the Horovod wheel failed (see the compiler output above)"
+  rm -rf "$WHEEL_DIR" && mkdir -p "$WHEEL_DIR"
+  cp "$work"/dist/horovod-*.whl "$WHEEL_DIR/"
+fi
+
+log "installing $(basename "$WHEEL_DIR"/horovod-*.whl) from the cache"
+"$PYTHON" -m pip install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+installed_ok || die "Horovod installed but its PyTorch/Gloo/MPI support does not load"
+log "Horovod $HOROVOD_VERSION ($FLAVOUR) installed"

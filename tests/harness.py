@@ -1,0 +1,235 @@
+"""Run real multi-process Horovod jobs from pytest.
+
+``run_function`` ships a function by value (cloudpickle) to N workers started by a launcher, calls
+``hvd.init(**init_kwargs)`` then ``fn(**kwargs)`` in each, and returns the per-rank results ordered by
+``hvd.rank()``. ``run_script`` runs a standalone script under the same launchers. Both raise
+``AssertionError`` on any failure (non-zero exit, timeout, a rank raising, a missing result), showing
+every rank's traceback and the tail of the launcher's combined stdout/stderr.
+
+Launchers:
+
+* ``"gloo"``: ``horovodrun --gloo -np N [-H hosts]``. With ``hosts`` such as ``"localhost:2,127.0.0.1:2"``
+  the two names count as two nodes (local_size 2, cross_size 2). Gloo starts one worker per slot in
+  ``-H`` whatever ``-np`` says, so ``np`` must equal the number of slots.
+* ``"mpi"``: ``mpirun --allow-run-as-root --oversubscribe --tag-output --bind-to none -np N [-H hosts]``
+  directly, not ``horovodrun --mpi`` (which builds a similar mpirun line but adds ~3 s of start-up per
+  launch). Local ranks inherit the environment, so no ``-x`` is needed.
+  Open MPI treats ``127.0.0.1`` as this host and Horovod derives local ranks from shared memory, so
+  emulated nodes are not possible under MPI: every rank is on one node.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUNNER = Path(__file__).resolve().parent / "_worker_runner.py"
+OUTPUT_TAIL_LINES = 200
+LAUNCHERS = ("gloo", "mpi")
+
+
+def run_function(
+    fn: Callable[..., Any],
+    np: int = 2,
+    hosts: str | None = None,
+    launcher: str = "gloo",
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    init_kwargs: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``np`` Horovod workers; return the results ordered by ``hvd.rank()``.
+
+    ``init_kwargs`` go to ``hvd.init`` (e.g. ``{"process_sets": "dynamic"}``). Results travel back
+    through pickle files, so tensors compare exactly; return plain data and tensors, not instances of
+    classes defined in the test module (those come back as copies of a by-value class).
+    """
+    with tempfile.TemporaryDirectory(prefix="hvdcomp-harness-") as tmp:
+        jobdir = Path(tmp)
+        source = getattr(getattr(fn, "__code__", None), "co_filename", None)
+        source = source if source and os.path.isfile(source) else None
+        payload = (fn, kwargs or {}, init_kwargs or {}, source)
+        (jobdir / "payload.pkl").write_bytes(_dumps_by_value(fn, payload))
+        cmd = _launcher_command(launcher, np, hosts) + [sys.executable, str(RUNNER), str(jobdir)]
+        returncode, output = _launch(cmd, jobdir, timeout, env)
+        results = {int(p.name.split(".")[1]): p for p in jobdir.glob("result.*.pkl")}
+        missing = sorted(set(range(np)) - set(results))
+        what = f"run_function({getattr(fn, '__qualname__', fn)!r}{f' from {source}' if source else ''})"
+        _check(what, cmd, returncode, timeout, output, jobdir, missing)
+        values = []
+        for rank in range(np):
+            with open(results[rank], "rb") as f:
+                values.append(pickle.load(f))
+        return values
+
+
+def run_script(
+    path: str | os.PathLike[str],
+    np: int = 2,
+    hosts: str | None = None,
+    launcher: str = "gloo",
+    args: tuple[str, ...] | list[str] = (),
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python path *args`` on ``np`` workers; return the launcher's combined output as ``stdout``.
+
+    The script calls ``hvd.init()`` itself. It runs as ``__main__`` inside the worker runner, which
+    records each rank's traceback if the script raises.
+    """
+    with tempfile.TemporaryDirectory(prefix="hvdcomp-harness-") as tmp:
+        jobdir = Path(tmp)
+        script = Path(path).resolve()
+        cmd = _launcher_command(launcher, np, hosts) + [
+            sys.executable,
+            str(RUNNER),
+            str(jobdir),
+            str(script),
+            *map(str, args),
+        ]
+        returncode, output = _launch(cmd, jobdir, timeout, env)
+        _check(f"run_script({script.name!r})", cmd, returncode, timeout, output, jobdir, missing=[])
+        return subprocess.CompletedProcess(cmd, 0, stdout=output)
+
+
+def _worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for workers: the current one, single-threaded, unbuffered, with the repo importable."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONHASHSEED="0",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
+    env.update(extra or {})
+    return env
+
+
+def _dumps_by_value(fn: Callable[..., Any], obj: Any) -> bytes:
+    """cloudpickle ``obj`` with ``fn``'s module pickled by value, so workers need not import it."""
+    name = getattr(fn, "__module__", None)
+    module = sys.modules.get(name) if name else None
+    register = module is not None and name != "__main__" and name not in cloudpickle.list_registry_pickle_by_value()
+    if register:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    finally:
+        if register:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _slots(hosts: str) -> int:
+    """Total slots in a ``-H`` list such as ``"localhost:2,127.0.0.1:2"`` (a bare name is one slot)."""
+    return sum(int(h.rpartition(":")[2]) if ":" in h else 1 for h in hosts.split(",") if h)
+
+
+def _launcher_command(launcher: str, np: int, hosts: str | None) -> list[str]:
+    """The launcher's argv up to (not including) the python command."""
+    host_args = ["-H", hosts] if hosts else []
+    if launcher == "gloo":
+        if hosts and _slots(hosts) != np:
+            raise ValueError(f"Gloo starts one worker per slot: np={np} but hosts={hosts!r} has {_slots(hosts)}")
+        return [str(Path(sys.executable).parent / "horovodrun"), "--gloo", "-np", str(np), *host_args]
+    if launcher == "mpi":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            raise RuntimeError("launcher='mpi' needs mpirun on PATH")
+        flags = "--allow-run-as-root --oversubscribe --tag-output --bind-to none".split()
+        return [mpirun, *flags, "-np", str(np), *host_args]
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+def _launch(cmd: list[str], jobdir: Path, timeout: float, env: dict[str, str] | None) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own session; return (exit code or None on timeout, combined output)."""
+    log_path = jobdir / "launcher.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_worker_env(env),
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+        try:
+            returncode: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            returncode = None
+        except BaseException:  # e.g. Ctrl-C in pytest: the launcher's own session would not see it
+            _kill_tree(proc)
+            raise
+    return returncode, log_path.read_text(errors="replace")
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the launcher's process group and every descendant, then wait (10 s at most) until all are dead.
+
+    Descendants are listed first because horovodrun's per-worker middleman calls ``setsid()``, so the
+    workers are not in the launcher's process group.
+    """
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Whether ``p`` still runs (a zombie awaiting its reaper counts as dead)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _check(
+    what: str,
+    cmd: list[str],
+    returncode: int | None,
+    timeout: float,
+    output: str,
+    jobdir: Path,
+    missing: list[int],
+) -> None:
+    """Raise AssertionError with every rank's traceback and the output tail if the launch failed."""
+    errors = sorted(jobdir.glob("error.*.txt"), key=lambda p: int(p.name.split(".")[1]))
+    if returncode == 0 and not errors and not missing:
+        return
+    status = f"timed out after {timeout} s" if returncode is None else f"launcher exit code {returncode}"
+    parts = [f"{what} failed: {status}", "command: " + " ".join(cmd)]
+    if missing:
+        parts.append(f"no result from ranks {missing}")
+    for path in errors:
+        parts.append(f"----- rank {path.name.split('.')[1]} traceback -----\n{path.read_text().rstrip()}")
+    lines = output.splitlines()
+    cut = f" (last {OUTPUT_TAIL_LINES} of {len(lines)} lines)" if len(lines) > OUTPUT_TAIL_LINES else ""
+    parts.append(f"----- launcher output{cut} -----\n" + "\n".join(lines[-OUTPUT_TAIL_LINES:]))
+    raise AssertionError("\n".join(parts))

@@ -1,0 +1,61 @@
+"""Float64 carriers survive Sum, Average and predivide scaling exactly, and catch disagreement."""
+
+import pytest
+import torch
+
+from hvdcomp import carrier
+from hvdcomp.packing import LaneLayout
+
+
+def _reduce(carriers, op, predivide=1.0):
+    """What Horovod does to float carriers: prescale 1/f, sum, postscale f/W (Average) or 1 (Sum)."""
+    world_size = len(carriers)
+    total = sum(c * (1.0 / predivide) for c in carriers)
+    return total * (predivide / world_size) if op == "average" else total * predivide
+
+
+@pytest.mark.parametrize("op,predivide", [("sum", 1.0), ("average", 1.0), ("average", 3.0), ("average", 7.0)])
+@pytest.mark.parametrize("world_size", [1, 2, 7, 64, 4096])
+def test_word_sums_exact_after_reduction(op, predivide, world_size):
+    layout = LaneLayout.for_levels(255, world_size, carrier.word_bits(world_size))
+    gen = torch.Generator().manual_seed(world_size)
+    n = 200
+    # adversarial: every worker at the top of the range, except random rows
+    rows = [torch.full((n,), 255, dtype=torch.int64)] * (world_size - 1)
+    rows.append(torch.randint(-255, 256, (n,), generator=gen))
+    carriers = [carrier.wrap(layout.pack(r), world_size, tag=4321) for r in rows]
+    reduced = _reduce(carriers, op, predivide)
+    sums = layout.unpack(carrier.unwrap(reduced, world_size, tag=4321), n)
+    assert torch.equal(sums, torch.stack(rows).sum(dim=0))
+
+
+def test_disagreeing_tags_are_caught_on_every_worker():
+    words = torch.zeros(3, dtype=torch.int64)
+    reduced = _reduce([carrier.wrap(words, 3, t) for t in (10, 20, 30)], "average")
+    for tag in (10, 20, 30):
+        with pytest.raises(carrier.CarrierMismatchError, match="different"):
+            carrier.unwrap(reduced, 3, tag)
+
+
+def test_disagreeing_world_sizes_are_caught():
+    words = torch.zeros(3, dtype=torch.int64)
+    reduced = _reduce([carrier.wrap(words, 2, 5), carrier.wrap(words, 4, 5)], "sum")
+    for size in (2, 4):
+        with pytest.raises(carrier.CarrierMismatchError):
+            carrier.unwrap(reduced, size, 5)
+
+
+def test_unexpected_scaling_and_corrupt_carriers():
+    words = torch.zeros(3, dtype=torch.int64)
+    reduced = _reduce([carrier.wrap(words, 2, 5)] * 2, "sum") * 0.3
+    with pytest.raises(carrier.CarrierMismatchError, match="canary"):
+        carrier.unwrap(reduced, 2, 5)
+    with pytest.raises(carrier.CarrierMismatchError):
+        carrier.unwrap(torch.zeros(2, dtype=torch.float64), 2, 5)
+    with pytest.raises(carrier.CarrierMismatchError):
+        carrier.unwrap(torch.zeros(6, dtype=torch.float32), 2, 5)
+
+
+def test_tags_are_small_and_positive():
+    for seed in (0, 1, 2**62, 12345678901):
+        assert 1 <= carrier.to_tag(seed) < 2**carrier.TAG_BITS

@@ -1,0 +1,210 @@
+"""The hvdcomp compressors inside real Horovod workers, with Horovod's own DistributedOptimizer."""
+
+import pytest
+import torch
+
+from hvdcomp import carrier
+from hvdcomp.protocol import simulate
+from hvdcomp.selection import stable_seed
+from tests.harness import run_function
+
+EMULATED_NODES = "localhost:2,127.0.0.1:2"
+
+COMPRESSORS = {
+    "qsgd8": ("QSGDMaxNorm", {"bits": 8}),
+    "qsgd2_chunked": ("QSGDMaxNorm", {"bits": 2, "chunk_size": 7}),
+    "multiscale": ("QSGDMaxNormMultiScale", {"bits": (2, 6)}),
+    "randk_ef": ("GlobalRandKMaxNorm", {"ratio": 0.3, "bits": 6}),
+    "randk_rescaled": ("GlobalRandKMaxNorm", {"ratio": 0.2, "bits": 4, "error_feedback": False}),
+    "randk_multiscale": ("GlobalRandKMaxNormMultiScale", {"ratio": 0.5, "bits": (3, 8)}),
+}
+
+
+def _make(name):
+    import hvdcomp
+
+    cls, kwargs = COMPRESSORS[name]
+    return getattr(hvdcomp, cls)(**kwargs)
+
+
+def _grads(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    # one ordinary tensor, one with a per-rank outlier, one 0-d tensor, one empty tensor
+    big = torch.randn(40, 50, generator=gen)
+    big[0, 0] = 5.0 * (rank + 1)
+    return [torch.randn(30, generator=gen), big, torch.randn((), generator=gen), torch.zeros(0)]
+
+
+def _exchange_worker(ops):
+    """Compress, all-reduce (each op), decompress, for every compressor, two steps."""
+    import horovod.torch as hvd
+
+    results = {}
+    for name in COMPRESSORS:
+        for op in ops:
+            compressor = _make(name)
+            for step in range(2):
+                for index, grad in enumerate(_grads(hvd.rank(), step)):
+                    carrier, ctx = compressor.compress(grad)
+                    if op == "predivide":
+                        reduced = hvd.allreduce(carrier, op=hvd.Average, prescale_factor=1 / 3, postscale_factor=3)
+                    else:
+                        reduced = hvd.allreduce(carrier, op=hvd.Sum if op == "sum" else hvd.Average)
+                    results[(name, op, step, index)] = compressor.decompress(reduced, ctx)
+            results[(name, op, "ratio")] = compressor.compression_ratio
+    # low-precision gradients come back in their dtype
+    for dtype in (torch.float16, torch.bfloat16):
+        compressor = _make("qsgd8")
+        grad = _grads(hvd.rank(), 0)[0].to(dtype)
+        carrier, ctx = compressor.compress(grad)
+        results[("dtype", dtype)] = compressor.decompress(hvd.allreduce(carrier), ctx)
+    return results
+
+
+def _coarse_levels(name):
+    bits = COMPRESSORS[name][1]["bits"]
+    return 2 ** (bits[0] if isinstance(bits, tuple) else bits) - 1
+
+
+def test_exchange_is_exact_identical_and_matches_one_process_simulation():
+    world_size = 2
+    ops = ["average", "sum", "predivide"]
+    results = run_function(_exchange_worker, np=world_size, kwargs={"ops": ops})
+    step_grads = [[_grads(rank, step) for rank in range(world_size)] for step in range(2)]
+    for name in COMPRESSORS:
+        # step 0, tensor 0 in one process, with the workers' rounding generators: must match bit for bit
+        generators = [torch.Generator().manual_seed(stable_seed(0, "rounding", rank)) for rank in range(world_size)]
+        first = [step_grads[0][rank][0] for rank in range(world_size)]
+        expected = simulate(
+            [_make(name).scheme for _ in range(world_size)],
+            first,
+            key=0,
+            step=0,
+            word_bits=carrier.word_bits(world_size),
+            generators=generators,
+        )[0]
+        for op in ops:
+            assert torch.equal(results[0][(name, op, 0, 0)], expected), (name, op)
+            assert results[0][(name, op, "ratio")] > 1
+            for step in range(2):
+                for index, grad in enumerate(step_grads[step][0]):
+                    got = [results[rank][(name, op, step, index)] for rank in range(world_size)]
+                    assert got[0].shape == grad.shape and got[0].dtype == grad.dtype
+                    assert torch.equal(got[0], got[1]), (name, op, step, index)  # identical on every rank
+                    if name.startswith("randk") or grad.numel() == 0:
+                        continue
+                    # dense schemes: each worker's rounding error is below one coarse unit M / s_1
+                    pair = torch.stack([step_grads[step][rank][index] for rank in range(world_size)])
+                    unit = pair.abs().max() / _coarse_levels(name)
+                    assert (got[0] - pair.mean(dim=0)).abs().max() <= unit * 1.0001, (name, op, step, index)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = results[0][("dtype", dtype)]
+        assert out.dtype == dtype and torch.equal(out, results[1][("dtype", dtype)])
+
+
+def _mismatch_worker():
+    import horovod.torch as hvd
+
+    import hvdcomp
+
+    caught = {}
+    # equal carrier lengths, different bits: only the tag can tell
+    compressor = hvdcomp.QSGDMaxNorm(bits=8 if hvd.rank() == 0 else 7)
+    carrier, ctx = compressor.compress(torch.ones(1))
+    try:
+        compressor.decompress(hvd.allreduce(carrier), ctx)
+    except hvdcomp.CarrierMismatchError as error:
+        caught["bits"] = str(error)
+    return caught
+
+
+def test_mismatched_configuration_raises_on_every_rank():
+    results = run_function(_mismatch_worker, np=2)
+    for rank_result in results:
+        assert "different" in rank_result["bits"]
+
+
+def _train_worker(names, op, predivide, passes, steps=40):
+    """Train the same small model with Horovod's DistributedOptimizer per compressor."""
+    import horovod.torch as hvd
+
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        compression = hvd.Compression.none if name == "none" else _make(name)
+        optimizer = hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=compression,
+            op=hvd.Sum if op == "sum" else hvd.Average,
+            gradient_predivide_factor=predivide,
+            backward_passes_per_step=passes,
+        )
+        gen = torch.Generator().manual_seed(hvd.rank())
+        target = torch.nn.Linear(8, 1)
+        torch.nn.init.constant_(target.weight, 0.5)
+        losses = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            for _ in range(passes):
+                x = torch.randn(32, 8, generator=gen)
+                loss = torch.nn.functional.mse_loss(model(x), target(x).detach())
+                loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        out[name] = {"params": [p.detach().clone() for p in model.parameters()], "loss": sum(losses[-5:]) / 5}
+    return out
+
+
+def _check_training(results, names):
+    for name in names:
+        for rank_result in results[1:]:
+            for a, b in zip(results[0][name]["params"], rank_result[name]["params"]):
+                assert torch.equal(a, b), name  # every replica identical
+    baseline = sum(r["none"]["loss"] for r in results) / len(results)
+    for name in names:
+        loss = sum(r[name]["loss"] for r in results) / len(results)
+        assert loss < 0.5 and loss < 3 * baseline + 0.02, (name, loss, baseline)
+
+
+ALL = ["none", *COMPRESSORS]
+
+
+@pytest.mark.parametrize(
+    "np_,hosts,op,predivide,passes",
+    [
+        (2, None, "average", 1.0, 1),
+        (4, None, "sum", 1.0, 2),
+        (4, EMULATED_NODES, "average", 2.0, 1),
+    ],
+    ids=["np2-average", "np4-sum-2passes", "2nodes-predivide"],
+)
+def test_stock_optimizer_trains_identically_with_every_compressor(np_, hosts, op, predivide, passes):
+    kwargs = {"names": ALL, "op": op, "predivide": predivide, "passes": passes}
+    results = run_function(_train_worker, np=np_, hosts=hosts, kwargs=kwargs, timeout=300)
+    _check_training(results, ALL)
+
+
+@pytest.mark.mpi
+def test_stock_optimizer_under_mpi():
+    names = ["none", "qsgd8", "multiscale", "randk_ef"]
+    results = run_function(
+        _train_worker,
+        np=2,
+        launcher="mpi",
+        timeout=300,
+        kwargs={"names": names, "op": "average", "predivide": 1.0, "passes": 1},
+    )
+    _check_training(results, names)
+
+
+def test_bad_gradients_are_refused():
+    import hvdcomp
+
+    compressor = hvdcomp.QSGDMaxNorm(4)
+    with pytest.raises(TypeError, match="floating"):
+        compressor.compress(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="sparse"):
+        compressor.compress(torch.ones(3).to_sparse())

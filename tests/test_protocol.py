@@ -1,0 +1,177 @@
+"""One-process tests of the max-norm schemes: unbiasedness, variance bounds, agreement, edge cases."""
+
+import pytest
+import torch
+
+from hvdcomp.protocol import MaxNormScheme, simulate
+from hvdcomp.quantize import MaxNormQuantizer
+from hvdcomp.selection import RandomCoordinateSelector
+
+TILES = 8000  # draws per element: 16 elements x 8000 tiles = 128k draws per scheme
+
+
+def _workers(scheme_factory, world_size):
+    return [scheme_factory() for _ in range(world_size)]
+
+
+def _gens(world_size, seed=0):
+    return [torch.Generator().manual_seed(seed * 1000 + rank) for rank in range(world_size)]
+
+
+def _grads_on_half_levels(world_size, numel, levels, scale=1.0):
+    """Per-worker values at half-integers of the finest unit (rounding variance at its bound),
+    one element per worker reaching the shared max ``scale``."""
+    gen = torch.Generator().manual_seed(123)
+    grads = []
+    for rank in range(world_size):
+        k = torch.randint(0, levels, (numel,), generator=gen).float() + 0.5
+        sign = torch.where(torch.rand(numel, generator=gen) < 0.5, -1.0, 1.0)
+        g = sign * k / levels * scale
+        g[rank % numel] = scale
+        grads.append(g)
+    return grads
+
+
+def _bias_z_scores(errors):
+    """errors [tiles, numel] -> |mean| / (std / sqrt(tiles)) per element."""
+    std = errors.std(dim=0).clamp_min(1e-12)
+    return errors.mean(dim=0).abs() / (std / errors.shape[0] ** 0.5)
+
+
+@pytest.mark.parametrize("bits,chunk_size", [((2,), None), ((4,), 16), ((8,), None), ((3, 6), None), ((2, 4, 8), 16)])
+@pytest.mark.parametrize("word_bits", [63, 48])
+def test_unbiased_and_variance_within_bound(bits, chunk_size, word_bits):
+    world_size, numel = 3, 16
+    quantizer = MaxNormQuantizer(bits, chunk_size)
+    grads = _grads_on_half_levels(world_size, numel, quantizer.levels[0])
+    if quantizer.multiscale:  # put a third of the elements in the finest range on every worker
+        for g in grads:
+            g[::3] *= quantizer.levels[0] / quantizer.levels[-1]
+    tiled = [g.repeat(TILES) for g in grads]
+    schemes = _workers(lambda: MaxNormScheme(quantizer), world_size)
+    outputs = simulate(schemes, tiled, word_bits=word_bits, generators=_gens(world_size))
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])  # every worker decodes the same mean
+    true_mean = torch.stack(grads).mean(dim=0)
+    errors = (outputs[0].view(TILES, numel) - true_mean).double()
+    assert _bias_z_scores(errors).max() < 4.5
+
+    # Variance of the mean of W independent roundings: <= (M / s_j)**2 / 4 / W per element.
+    agreed_levels = torch.full((numel,), float(quantizer.levels[0]))
+    if quantizer.multiscale:
+        agreed_levels[::3] = quantizer.levels[-1]
+    bound = (1.0 / agreed_levels) ** 2 / 4 / world_size
+    assert (errors.var(dim=0) <= bound * 1.1).all()
+    # Half-integer values sit at the bound (except each worker's exact maximum, elements < W):
+    # the test would catch a doubled rounding step.
+    assert (errors.var(dim=0)[world_size:] >= bound[world_size:] * 0.9).all()
+
+
+def test_multiscale_takes_min_over_workers():
+    quantizer = MaxNormQuantizer((2, 4, 8))  # s = 3, 15, 255
+    # element 0: fine on both; element 1: fine on one only; element 2: coarse; element 3: mid on both
+    g0 = torch.tensor([0.01, 0.01, 1.0, 0.15])
+    g1 = torch.tensor([0.01, 0.5, -1.0, 0.15])
+    stats = torch.maximum(quantizer.local_stats(g0), quantizer.local_stats(g1))
+    counts = quantizer.agreement_words(g0, stats, 2) + quantizer.agreement_words(g1, stats, 2)
+    assert quantizer.agreed_scales(counts, 4, 2).tolist() == [2, 0, 0, 1]
+
+
+def test_sparse_rescaled_is_unbiased():
+    world_size, numel, tiles = 2, 16, 4000
+    grads = _grads_on_half_levels(world_size, numel, 15)
+    tiled = [g.repeat(tiles) for g in grads]
+
+    def scheme():
+        return MaxNormScheme(MaxNormQuantizer((4,)), RandomCoordinateSelector(ratio=0.25, seed=7), error_feedback=False)
+
+    schemes = _workers(scheme, world_size)
+    steps = [simulate(schemes, tiled, key="w", step=t, generators=_gens(world_size, t))[0] for t in range(8)]
+    outputs = torch.stack(steps).view(-1, numel)
+    errors = (outputs - torch.stack(grads).mean(dim=0)).double()
+    assert _bias_z_scores(errors).max() < 4.5
+    # exactly k coordinates per step, the rest zero
+    assert all(int((s != 0).sum()) <= round(0.25 * numel * tiles) for s in steps)
+
+
+def test_sparse_error_feedback_loses_nothing_and_replicas_agree():
+    world_size, numel, steps = 3, 50, 12
+    gen = torch.Generator().manual_seed(5)
+    schemes = _workers(
+        lambda: MaxNormScheme(MaxNormQuantizer((16,)), RandomCoordinateSelector(k=7, seed=3)), world_size
+    )
+    applied = torch.zeros(numel)
+    given = torch.zeros(numel)
+    for step in range(steps):
+        grads = [torch.randn(numel, generator=gen) for _ in range(world_size)]
+        outputs = simulate(schemes, grads, key="layer", step=step, generators=_gens(world_size, step))
+        for out in outputs[1:]:
+            assert torch.equal(out, outputs[0])
+        assert int((outputs[0] != 0).sum()) <= 7
+        applied += outputs[0]
+        given += torch.stack(grads).mean(dim=0)
+    pending = torch.stack([s.memory.residual("layer", applied) for s in schemes]).mean(dim=0)
+    # applied + what is still held back == everything given (up to 16-bit quantization noise)
+    torch.testing.assert_close(applied + pending, given, atol=1e-3, rtol=0)
+
+
+def test_coordinate_sets_shared_and_cover_everything():
+    selector = RandomCoordinateSelector(k=4, seed=1)
+    other = RandomCoordinateSelector(k=4, seed=1)
+    cycle = [selector.indices(16, "w", step) for step in range(4)]
+    assert torch.equal(torch.cat(cycle).sort().values, torch.arange(16))  # one cycle covers all
+    for step in range(10):
+        assert torch.equal(selector.indices(16, "w", step), other.indices(16, "w", step))
+    assert not torch.equal(selector.indices(16, "w", 4), selector.indices(16, "w", 0))  # a new cycle
+    assert not torch.equal(selector.indices(16, "w", 0), selector.indices(16, "b", 0))
+    state = torch.get_rng_state()
+    selector.indices(1000, "fresh", 0)
+    assert torch.equal(state, torch.get_rng_state())  # the global RNG is never touched
+
+
+def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
+    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((4,)), RandomCoordinateSelector(k=2)), 2)
+    simulate(schemes, [torch.ones(4), torch.ones(4)], key="p", step=0)
+    before = [s.memory.residual("p", torch.ones(4)).clone() for s in schemes]
+    with pytest.warns(RuntimeWarning, match="NaN/Inf"):
+        outputs = simulate(schemes, [torch.tensor([1.0, float("inf"), 2.0, 3.0]), torch.ones(4)], key="p", step=1)
+    for out in outputs:
+        assert torch.isnan(out).all()
+    for scheme, old in zip(schemes, before):
+        assert torch.equal(scheme.memory.residual("p", torch.ones(4)), old)
+
+
+@pytest.mark.parametrize("numel", [0, 1])
+def test_empty_and_single_element(numel):
+    for bits in [(4,), (2, 6)]:
+        schemes = _workers(lambda bits=bits: MaxNormScheme(MaxNormQuantizer(bits)), 2)
+        outputs = simulate(schemes, [torch.full((numel,), 0.5), torch.full((numel,), -0.5)])
+        assert outputs[0].shape == (numel,)
+        assert torch.equal(outputs[0], torch.zeros(numel))
+
+
+def test_all_zero_gradient_decodes_to_zero():
+    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((8,), chunk_size=3)), 2)
+    assert torch.equal(simulate(schemes, [torch.zeros(10), torch.zeros(10)])[0], torch.zeros(10))
+
+
+@pytest.mark.parametrize("bad", [(0,), (17,), (True,), (4, 4), (8, 4), (), (2.5,)])
+def test_bad_bits(bad):
+    with pytest.raises(ValueError):
+        MaxNormQuantizer(bad)
+
+
+@pytest.mark.parametrize("kwargs", [{"k": 0}, {"k": -1}, {"ratio": 0.0}, {"ratio": 1.5}, {}, {"k": 2, "ratio": 0.5}])
+def test_bad_selection(kwargs):
+    with pytest.raises(ValueError):
+        RandomCoordinateSelector(**kwargs)
+
+
+def test_k_larger_than_tensor():
+    with pytest.raises(ValueError, match="exceeds"):
+        RandomCoordinateSelector(k=11).indices(10, "w", 0)
+
+
+def test_bad_chunk_size():
+    with pytest.raises(ValueError):
+        MaxNormQuantizer((4,), chunk_size=0)
