@@ -45,8 +45,9 @@ def wrap(words: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
     return torch.cat([header.to(words.device), words.to(torch.float64)])
 
 
-def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
-    """Exact int64 sums of the workers' words from a reduced carrier; raises on any disagreement."""
+def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> tuple[torch.Tensor, bool]:
+    """Exact int64 sums of the workers' words from a reduced carrier, and whether the reduction
+    averaged (True) or summed (False). Raises ``CarrierMismatchError`` on any disagreement."""
     if reduced.dtype != torch.float64 or reduced.dim() != 1 or reduced.numel() < HEADER:
         raise CarrierMismatchError(
             f"expected a float64 carrier of at least {HEADER} elements, got {reduced.dtype} {tuple(reduced.shape)}"
@@ -54,7 +55,7 @@ def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
     canary, sizes, tags, tags_sq = reduced[:HEADER].tolist()
     # Sum leaves the canary at W; Average (with or without predivide) scales every element by 1/W.
     if abs(canary - world_size) <= 1e-9 * world_size:
-        factor = 1.0
+        factor = 1.0  # with W = 1 a Sum and an Average are the same
     elif abs(canary - 1.0) <= 1e-9:
         factor = 1.0 / world_size
     else:
@@ -72,4 +73,4 @@ def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
             "workers reduced different things (compressor settings, tensor order, shapes or step "
             f"counts differ): tag {tag} here, mean tag {mean_tag:.6g} over the workers"
         )
-    return torch.round(reduced[HEADER:] / factor).to(torch.int64)
+    return torch.round(reduced[HEADER:] / factor).to(torch.int64), factor != 1.0

@@ -5,8 +5,9 @@ Pass one to the stock optimizer, e.g.
 ``compress`` runs the shared-scale exchange (one blocking MAX all-reduce of a few floats; for the
 multi-scale variants also a blocking SUM of the packed agreement bits) and returns a float64 carrier
 of the packed levels (see ``carrier``), which Horovod then reduces with the optimizer's op (Sum or
-Average, predivide factor allowed). ``decompress`` returns the mean over the workers of their
-dequantized gradients, identical on every worker, in the gradient's shape and dtype.
+Average, predivide factor allowed). ``decompress`` returns what that op makes of the workers'
+dequantized gradients — their mean (Average) or sum (Sum) — identical on every worker, in the
+gradient's shape and dtype.
 
 Gradients are identified by their order within a step (a step ends when Horovod starts
 decompressing), so every worker must produce its gradients in the same order, as Horovod's own
@@ -113,11 +114,14 @@ class MaxNormCompressor(Compressor):
         return payload, _Context(exchange, tensor.shape, tensor.dtype, world_size, tag)
 
     def decompress(self, tensor: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        """The mean of the workers' dequantized gradients if Horovod averaged, their sum if it summed."""
         self._decompressed = True
+        word_sums, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag)
         try:
-            ctx.exchange.send(carrier.unwrap(tensor, ctx.world_size, ctx.tag))
+            ctx.exchange.send(word_sums)
         except StopIteration as done:
-            return done.value.view(ctx.shape).to(ctx.dtype)
+            mean = done.value if averaged else done.value.mul_(ctx.world_size)
+            return mean.view(ctx.shape).to(ctx.dtype)
         raise RuntimeError("the exchange protocol did not finish after its payload")
 
 

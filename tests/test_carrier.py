@@ -25,8 +25,9 @@ def test_word_sums_exact_after_reduction(op, predivide, world_size):
     rows.append(torch.randint(-255, 256, (n,), generator=gen))
     carriers = [carrier.wrap(layout.pack(r), world_size, tag=4321) for r in rows]
     reduced = _reduce(carriers, op, predivide)
-    sums = layout.unpack(carrier.unwrap(reduced, world_size, tag=4321), n)
-    assert torch.equal(sums, torch.stack(rows).sum(dim=0))
+    word_sums, averaged = carrier.unwrap(reduced, world_size, tag=4321)
+    assert averaged == (op == "average" and world_size > 1)
+    assert torch.equal(layout.unpack(word_sums, n), torch.stack(rows).sum(dim=0))
 
 
 def test_disagreeing_tags_are_caught_on_every_worker():
