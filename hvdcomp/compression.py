@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -29,7 +30,7 @@ from . import carrier
 from .protocol import Exchange, MaxNormScheme
 from .quantize import MaxNormQuantizer
 from .selection import RandomCoordinateSelector, stable_seed
-from .transport import HorovodCollectives
+from .transport import HorovodTransport
 
 
 @dataclass
@@ -65,7 +66,7 @@ class MaxNormCompressor(Compressor):
     def __init__(self, scheme: MaxNormScheme, seed: int = 0, process_set: hvd.ProcessSet | None = None) -> None:
         self.scheme = scheme
         self.seed = seed
-        self.collectives = HorovodCollectives(process_set)
+        self.transport = HorovodTransport(process_set)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._step = 0
         self._index_in_step = 0
@@ -73,11 +74,12 @@ class MaxNormCompressor(Compressor):
         self.wire_bytes = 0
         self.uncompressed_bytes = 0
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def rounding_generator(self, device: torch.device) -> torch.Generator:
+        """This worker's rounding generator on ``device``, seeded by (seed, rank): independent across workers."""
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
-            generator.manual_seed(stable_seed(self.seed, "rounding", self.collectives.rank))
+            generator.manual_seed(stable_seed(self.seed, "rounding", self.transport.rank))
             self._generators[device] = generator
         return generator
 
@@ -90,6 +92,27 @@ class MaxNormCompressor(Compressor):
         self._index_in_step += 1
         return key
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly: memory, generators, step counters."""
+        memory = self.scheme.memory
+        return {
+            "memory": None if memory is None else memory.state_dict(),
+            "generators": {str(device): gen.get_state() for device, gen in self._generators.items()},
+            "step": self._step,
+            "index_in_step": self._index_in_step,
+            "decompressed": self._decompressed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["memory"] is None) != (self.scheme.memory is None):
+            raise ValueError("the saved state and this compressor disagree on error feedback")
+        if self.scheme.memory is not None:
+            self.scheme.memory.load_state_dict(state["memory"])
+        for device, gen_state in state["generators"].items():
+            self.rounding_generator(torch.device(device)).set_state(gen_state)
+        self._step, self._index_in_step = state["step"], state["index_in_step"]
+        self._decompressed = state["decompressed"]
+
     @property
     def compression_ratio(self) -> float:
         """Uncompressed bytes over bytes this worker sent, since construction."""
@@ -98,14 +121,13 @@ class MaxNormCompressor(Compressor):
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
         flat = _flat_float(tensor)
         step, index = self._next_key()
-        world_size = self.collectives.size
+        world_size = self.transport.size
         exchange = self.scheme.exchange(flat, index, step, world_size, carrier.word_bits(world_size),
-                                        self._generator(flat.device))
+                                        self.rounding_generator(flat.device))
         op, request = next(exchange)
         while op != "payload":
             self.wire_bytes += request.numel() * request.element_size()
-            reduce = self.collectives.max if op == "max" else self.collectives.sum
-            op, request = exchange.send(reduce(request))
+            op, request = exchange.send(self.transport.collective(op, request))
         tag = carrier.to_tag(stable_seed(type(self).__name__, self.scheme.config(), self.seed, world_size,
                                          flat.numel(), step, index))
         payload = carrier.wrap(request, world_size, tag)

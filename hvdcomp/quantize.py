@@ -2,12 +2,12 @@
 
 Pure tensor math, no collectives. One exchange of a W-worker reduction goes:
 
-1. ``local_stats(x)`` on every worker, reduced with **MAX** -> shared per-chunk scale ``M`` and a
-   flag that some worker saw a non-finite value;
-2. (multi-scale only) ``agreement_words(x, stats)``, reduced with **SUM** -> ``agreed_scales``:
+1. ``local_stats(x, groups)`` on every worker, reduced with **MAX** -> a shared scale ``M`` per group
+   of elements (``scale_groups``: per tensor or per chunk) and a flag that some worker saw NaN/Inf;
+2. (multi-scale only) ``agreement_words(x, stats, groups)``, reduced with **SUM** -> ``agreed_scales``:
    per element the finest resolution that every worker can represent;
-3. ``encode(x, stats, agreed)``, reduced with **SUM** -> ``decode(...)`` = mean over the workers of
-   their dequantized values.
+3. ``encode(x, stats, groups, agreed)``, reduced with **SUM** -> ``decode(...)`` = mean over the
+   workers of their dequantized values.
 
 Each worker's level for an element ``x`` with ``r = |x| / M`` at resolution ``s`` is
 ``sign(x) * floor(r * s + U)``, ``U ~ Uniform[0, 1)``, so ``E[level] * M / s = x`` (unbiased) and the
@@ -67,31 +67,40 @@ class MaxNormQuantizer:
     def multiscale(self) -> bool:
         return len(self.levels) > 1
 
-    def num_chunks(self, numel: int) -> int:
-        if numel == 0:
-            return 0
-        return 1 if self.chunk_size is None else -(-numel // self.chunk_size)
+    def scale_groups(self, numel: int, segments: Sequence[int] | None = None) -> torch.Tensor:
+        """int64 lengths of the runs of elements that share one scale ``M``.
+
+        ``segments`` splits the ``numel`` elements into consecutive tensors (default: one tensor);
+        each non-empty tensor gets one scale, or one per ``chunk_size`` elements of it.
+        """
+        segments = [numel] if segments is None else list(segments)
+        if sum(segments) != numel or min(segments, default=0) < 0:
+            raise ValueError(f"segments {segments[:8]}... do not split {numel} elements")
+        lengths = []
+        for length in segments:
+            if self.chunk_size is None or length <= self.chunk_size:
+                lengths.append(torch.tensor([length]) if length else torch.empty(0, dtype=torch.int64))
+            else:
+                full, rest = divmod(length, self.chunk_size)
+                lengths.append(torch.full((full + (rest > 0),), self.chunk_size, dtype=torch.int64))
+                if rest:
+                    lengths[-1][-1] = rest
+        return torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64)
 
     # -- step 1: shared scale --------------------------------------------------------------------
-    def local_stats(self, x: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 ``[num_chunks + 1]``: per-chunk max of finite ``|x|``, then 1.0 if ``source``
-        (default ``x``; e.g. the whole gradient when ``x`` is a selection of it) has NaN/Inf.
+    def local_stats(self, x: torch.Tensor, groups: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[len(groups) + 1]``: max of finite ``|x|`` per scale group (see ``scale_groups``),
+        then 1.0 if ``source`` (default ``x``; e.g. the whole gradient when ``x`` is a selection of it)
+        has NaN/Inf.
 
         Reduce with MAX across workers.
         """
-        n = x.numel()
         mags = x.detach().reshape(-1).abs().float()
         nonfinite = ~torch.isfinite(mags if source is None else source).all()
         mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
-        stats = torch.zeros(self.num_chunks(n) + 1, dtype=torch.float32, device=x.device)
-        if n:
-            if self.chunk_size is None:
-                stats[0] = mags.max()
-            else:
-                chunks = self.num_chunks(n)
-                padded = torch.zeros(chunks * self.chunk_size, dtype=torch.float32, device=x.device)
-                padded[:n] = mags
-                stats[:chunks] = padded.view(chunks, self.chunk_size).amax(dim=1)
+        stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
+        if groups.numel():
+            stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)
         stats[-1] = nonfinite.float()
         return stats
 
@@ -100,15 +109,16 @@ class MaxNormQuantizer:
         """Whether any worker's tensor held NaN/Inf, from the MAX-reduced ``local_stats``."""
         return bool(stats[-1].item() > 0)
 
-    def _scale_per_element(self, stats: torch.Tensor, numel: int) -> torch.Tensor:
+    @staticmethod
+    def _scale_per_element(stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
         maxima = stats[:-1]
-        if self.chunk_size is None:
+        if groups.numel() <= 1:
             return maxima.expand(numel)
-        return maxima.repeat_interleave(self.chunk_size)[:numel]
+        return maxima.repeat_interleave(groups.to(maxima.device), output_size=numel)
 
-    def _ratio(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    def _ratio(self, x: torch.Tensor, stats: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """``|x| / M`` in [0, 1] per element (0 where M is 0)."""
-        scale = self._scale_per_element(stats, x.numel())
+        scale = self._scale_per_element(stats, groups, x.numel())
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         return x.reshape(-1).abs().float().div_(safe).clamp_(max=1.0)
 
@@ -118,12 +128,17 @@ class MaxNormQuantizer:
         return LaneLayout(span=1, world_size=world_size, word_bits=word_bits)
 
     def agreement_words(
-        self, x: torch.Tensor, stats: torch.Tensor, world_size: int, word_bits: int = INT64_WORD_BITS
+        self,
+        x: torch.Tensor,
+        stats: torch.Tensor,
+        groups: torch.Tensor,
+        world_size: int,
+        word_bits: int = INT64_WORD_BITS,
     ) -> torch.Tensor:
         """int64 words of "resolution j fits" bits for j = 2..L (element-major per j). Reduce with SUM."""
         if not self.multiscale:
             raise RuntimeError("agreement is only needed with several resolutions")
-        ratio = self._ratio(x, stats)
+        ratio = self._ratio(x, stats, groups)
         fits = torch.stack([ratio * s <= self.coarse_levels for s in self.levels[1:]])
         return self.agreement_layout(world_size, word_bits).pack(fits.reshape(-1).to(torch.int64), validate=False)
 
@@ -150,13 +165,14 @@ class MaxNormQuantizer:
         self,
         x: torch.Tensor,
         stats: torch.Tensor,
+        groups: torch.Tensor,
         agreed: torch.Tensor | None,
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """int64 words of this worker's signed levels (finite ``x`` only). Reduce with SUM."""
-        ratio = self._ratio(x, stats)
+        ratio = self._ratio(x, stats, groups)
         noise = torch.rand(ratio.shape, generator=generator, device=ratio.device, dtype=torch.float32)
         magnitude = ratio.mul_(self._levels_per_element(agreed, x.device)).add_(noise).floor_()
         magnitude = magnitude.clamp_(max=self.coarse_levels).to(torch.int64)
@@ -167,6 +183,7 @@ class MaxNormQuantizer:
         self,
         word_sums: torch.Tensor,
         stats: torch.Tensor,
+        groups: torch.Tensor,
         agreed: torch.Tensor | None,
         numel: int,
         world_size: int,
@@ -174,13 +191,5 @@ class MaxNormQuantizer:
     ) -> torch.Tensor:
         """float32 ``[numel]``: the mean over the workers of their dequantized values."""
         level_sums = self.payload_layout(world_size, word_bits).unpack(word_sums, numel).float()
-        unit = self._scale_per_element(stats, numel) / self._levels_per_element(agreed, word_sums.device)
+        unit = self._scale_per_element(stats, groups, numel) / self._levels_per_element(agreed, word_sums.device)
         return level_sums.mul_(unit).div_(world_size)
-
-    def wire_bits(self, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS) -> int:
-        """Bits one worker sends for ``numel`` elements: scales + flag, agreement, payload."""
-        bits = 32 * (self.num_chunks(numel) + 1)
-        bits += 64 * self.payload_layout(world_size, word_bits).num_words(numel)
-        if self.multiscale:
-            bits += 64 * self.agreement_layout(world_size, word_bits).num_words(numel * (len(self.levels) - 1))
-        return bits

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hvdcomp import carrier
-from hvdcomp.protocol import simulate
+from hvdcomp.protocol import simulate_schemes
 from hvdcomp.selection import stable_seed
 from tests.harness import run_function
 
@@ -76,7 +76,7 @@ def _simulated(name, world_size, step_grads):
     for step, per_rank in enumerate(step_grads):
         for index in range(len(per_rank[0])):
             grads = [per_rank[rank][index].reshape(-1).float() for rank in range(world_size)]
-            outputs = simulate(schemes, grads, key=index, step=step, word_bits=carrier.word_bits(world_size),
+            outputs = simulate_schemes(schemes, grads, key=index, step=step, word_bits=carrier.word_bits(world_size),
                                generators=generators)
             expected[(step, index)] = outputs[0].view(per_rank[0][index].shape)
     return expected

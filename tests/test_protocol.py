@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hvdcomp.protocol import MaxNormScheme, simulate
+from hvdcomp.protocol import MaxNormScheme, simulate, simulate_schemes
 from hvdcomp.quantize import MaxNormQuantizer
 from hvdcomp.selection import RandomCoordinateSelector
 
@@ -49,7 +49,7 @@ def test_unbiased_and_variance_within_bound(bits, chunk_size, word_bits):
             g[::3] *= quantizer.levels[0] / quantizer.levels[-1]
     tiled = [g.repeat(TILES) for g in grads]
     schemes = _workers(lambda: MaxNormScheme(quantizer), world_size)
-    outputs = simulate(schemes, tiled, word_bits=word_bits, generators=_gens(world_size))
+    outputs = simulate_schemes(schemes, tiled, word_bits=word_bits, generators=_gens(world_size))
     for out in outputs[1:]:
         assert torch.equal(out, outputs[0])  # every worker decodes the same mean
     true_mean = torch.stack(grads).mean(dim=0)
@@ -72,8 +72,9 @@ def test_multiscale_takes_min_over_workers():
     # element 0: fine on both; element 1: fine on one only; element 2: coarse; element 3: mid on both
     g0 = torch.tensor([0.01, 0.01, 1.0, 0.15])
     g1 = torch.tensor([0.01, 0.5, -1.0, 0.15])
-    stats = torch.maximum(quantizer.local_stats(g0), quantizer.local_stats(g1))
-    counts = quantizer.agreement_words(g0, stats, 2) + quantizer.agreement_words(g1, stats, 2)
+    groups = quantizer.scale_groups(4)
+    stats = torch.maximum(quantizer.local_stats(g0, groups), quantizer.local_stats(g1, groups))
+    counts = quantizer.agreement_words(g0, stats, groups, 2) + quantizer.agreement_words(g1, stats, groups, 2)
     assert quantizer.agreed_scales(counts, 4, 2).tolist() == [2, 0, 0, 1]
 
 
@@ -86,7 +87,7 @@ def test_sparse_rescaled_is_unbiased():
         return MaxNormScheme(MaxNormQuantizer((4,)), RandomCoordinateSelector(ratio=0.25, seed=7), error_feedback=False)
 
     schemes = _workers(scheme, world_size)
-    steps = [simulate(schemes, tiled, key="w", step=t, generators=_gens(world_size, t))[0] for t in range(8)]
+    steps = [simulate_schemes(schemes, tiled, key="w", step=t, generators=_gens(world_size, t))[0] for t in range(8)]
     outputs = torch.stack(steps).view(-1, numel)
     errors = (outputs - torch.stack(grads).mean(dim=0)).double()
     assert _bias_z_scores(errors).max() < 4.5
@@ -104,7 +105,7 @@ def test_sparse_error_feedback_loses_nothing_and_replicas_agree():
     given = torch.zeros(numel)
     for step in range(steps):
         grads = [torch.randn(numel, generator=gen) for _ in range(world_size)]
-        outputs = simulate(schemes, grads, key="layer", step=step, generators=_gens(world_size, step))
+        outputs = simulate_schemes(schemes, grads, key="layer", step=step, generators=_gens(world_size, step))
         for out in outputs[1:]:
             assert torch.equal(out, outputs[0])
         assert int((outputs[0] != 0).sum()) <= 7
@@ -131,10 +132,11 @@ def test_coordinate_sets_shared_and_cover_everything():
 
 def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
     schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((4,)), RandomCoordinateSelector(k=2)), 2)
-    simulate(schemes, [torch.ones(4), torch.ones(4)], key="p", step=0)
+    simulate_schemes(schemes, [torch.ones(4), torch.ones(4)], key="p", step=0)
     before = [s.memory.residual("p", torch.ones(4)).clone() for s in schemes]
     with pytest.warns(RuntimeWarning, match="NaN/Inf"):
-        outputs = simulate(schemes, [torch.tensor([1.0, float("inf"), 2.0, 3.0]), torch.ones(4)], key="p", step=1)
+        grads = [torch.tensor([1.0, float("inf"), 2.0, 3.0]), torch.ones(4)]
+        outputs = simulate_schemes(schemes, grads, key="p", step=1)
     for out in outputs:
         assert torch.isnan(out).all()
     for scheme, old in zip(schemes, before):
@@ -145,14 +147,14 @@ def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
 def test_empty_and_single_element(numel):
     for bits in [(4,), (2, 6)]:
         schemes = _workers(lambda bits=bits: MaxNormScheme(MaxNormQuantizer(bits)), 2)
-        outputs = simulate(schemes, [torch.full((numel,), 0.5), torch.full((numel,), -0.5)])
+        outputs = simulate_schemes(schemes, [torch.full((numel,), 0.5), torch.full((numel,), -0.5)])
         assert outputs[0].shape == (numel,)
         assert torch.equal(outputs[0], torch.zeros(numel))
 
 
 def test_all_zero_gradient_decodes_to_zero():
     schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((8,), chunk_size=3)), 2)
-    assert torch.equal(simulate(schemes, [torch.zeros(10), torch.zeros(10)])[0], torch.zeros(10))
+    assert torch.equal(simulate_schemes(schemes, [torch.zeros(10), torch.zeros(10)])[0], torch.zeros(10))
 
 
 @pytest.mark.parametrize("bad", [(0,), (17,), (True,), (4, 4), (8, 4), (), (2.5,)])
@@ -175,3 +177,51 @@ def test_k_larger_than_tensor():
 def test_bad_chunk_size():
     with pytest.raises(ValueError):
         MaxNormQuantizer((4,), chunk_size=0)
+
+
+def test_scale_groups_per_tensor_and_chunk():
+    assert MaxNormQuantizer((4,)).scale_groups(10, [3, 0, 7]).tolist() == [3, 7]
+    assert MaxNormQuantizer((4,), chunk_size=3).scale_groups(10, [3, 0, 7]).tolist() == [3, 3, 3, 1]
+    assert MaxNormQuantizer((4,), chunk_size=4).scale_groups(9).tolist() == [4, 4, 1]
+    with pytest.raises(ValueError):
+        MaxNormQuantizer((4,)).scale_groups(10, [3, 3])
+
+
+def test_segments_get_their_own_scale():
+    """A bucket of a large-magnitude and a small-magnitude tensor: per-tensor scales keep the small one exact
+    to its own resolution, where one shared scale would round it to zero."""
+    big, small = torch.full((5,), 100.0), torch.full((5,), 0.01)
+    flat = torch.cat([big, small])
+    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((2,))), 2)
+    gens = _gens(2)
+    per_tensor = simulate([s.exchange(flat, 0, 0, 2, generator=g, segments=[5, 5]) for s, g in zip(schemes, gens)])
+    assert torch.allclose(per_tensor[0], flat)
+    one_scale = simulate([s.exchange(flat, 0, 0, 2, generator=g) for s, g in zip(schemes, gens)])
+    assert one_scale[0][5:].abs().max() in (0.0, 100 / 3)
+
+
+def test_sparse_segments_count_the_selected_elements():
+    flat = torch.cat([torch.full((50,), 100.0), torch.full((50,), 0.01)])
+    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((2,)), RandomCoordinateSelector(ratio=0.5)), 2)
+    out = simulate([s.exchange(flat, 0, 0, 2, segments=[50, 50]) for s in schemes])[0]
+    sent = out != 0
+    assert torch.allclose(out[sent], flat[sent])  # exact at each tensor's own scale
+
+
+def test_simulate_group_collectives():
+    """2 nodes x 2: local ops reduce within a node, cross ops across nodes, by rank layout r = node*2 + local."""
+
+    def worker(rank):
+        x = torch.tensor([float(rank)])
+        local = yield "local_sum", x
+        cross = yield "cross_sum", x
+        gathered = yield "cross_allgather", x
+        node = yield "local_allgather", x
+        top = yield "max", x
+        return local.item(), cross.item(), gathered.tolist(), node.tolist(), top.item()
+
+    results = simulate([worker(r) for r in range(4)], local_size=2)
+    assert results[0] == (1.0, 2.0, [0.0, 2.0], [0.0, 1.0], 3.0)
+    assert results[3] == (5.0, 4.0, [1.0, 3.0], [2.0, 3.0], 3.0)
+    with pytest.raises(ValueError):
+        simulate([worker(r) for r in range(3)], local_size=2)
