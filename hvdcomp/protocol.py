@@ -168,8 +168,17 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
     local_size = local_size or world_size
     if world_size % local_size:
         raise ValueError(f"{world_size} workers do not fill nodes of {local_size}")
-    requests: list[object] = [next(exchange) for exchange in exchanges]
+    requests: list[object] = []
+    for exchange in exchanges:
+        try:
+            requests.append(next(exchange))
+        except StopIteration as done:
+            requests.append(done)
     while True:
+        if all(isinstance(r, StopIteration) for r in requests):
+            return [r.value for r in requests]
+        if any(isinstance(r, StopIteration) for r in requests):
+            raise RuntimeError("some workers finished their exchange while others still communicate")
         ops = {op for op, _ in requests}
         if len(ops) != 1:
             raise RuntimeError(f"workers asked for different collectives: {sorted(ops)}")
@@ -183,14 +192,9 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
         for members in groups.values():
             result = _collective(op, [requests[rank][1] for rank in members])
             reduced.update({rank: result for rank in members})
-        results = []
+        requests = []
         for rank, exchange in enumerate(exchanges):
             try:
-                results.append(exchange.send(reduced[rank].clone()))
+                requests.append(exchange.send(reduced[rank].clone()))
             except StopIteration as done:
-                results.append(done)
-        if all(isinstance(r, StopIteration) for r in results):
-            return [r.value for r in results]
-        if any(isinstance(r, StopIteration) for r in results):
-            raise RuntimeError("some workers finished their exchange while others still communicate")
-        requests = results
+                requests.append(done)

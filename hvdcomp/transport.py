@@ -66,9 +66,13 @@ def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
             raise RuntimeError("hierarchical exchanges need the same number of workers on every node")
         nodes = sorted({t[2] for t in topology})
         local_ranks = sorted({t[1] for t in topology})
+        def process_set(ranks: list[int]) -> hvd.ProcessSet:
+            # Horovod refuses to add a duplicate of the global set (one node, or one worker per node)
+            return hvd.global_process_set if len(ranks) == hvd.size() else hvd.add_process_set(ranks)
+
         try:
-            node_sets = [hvd.add_process_set(sorted(t[0] for t in topology if t[2] == n)) for n in nodes]
-            cross_sets = [hvd.add_process_set(sorted(t[0] for t in topology if t[1] == j)) for j in local_ranks]
+            node_sets = [process_set(sorted(t[0] for t in topology if t[2] == n)) for n in nodes]
+            cross_sets = [process_set(sorted(t[0] for t in topology if t[1] == j)) for j in local_ranks]
         except ValueError as error:
             raise RuntimeError(
                 "hierarchical exchanges over Horovod need dynamic process sets: "

@@ -38,6 +38,12 @@ def _run_function(jobdir: Path) -> None:
     tmp = jobdir / f".result.{hvd.rank()}.pkl"
     tmp.write_bytes(result)
     os.replace(tmp, jobdir / f"result.{hvd.rank()}.pkl")
+    # A worker that exits while another node still finishes a node-local collective shuts Horovod down
+    # under it: leave together. If another rank failed, the barrier fails too; that rank reports it.
+    try:
+        hvd.barrier()
+    except RuntimeError:
+        pass
 
 
 def _run_script(script: Path, args: list[str]) -> None:

@@ -1,0 +1,105 @@
+"""Wire bytes per step and codec time per MB for every scheme on a ResNet-50-sized gradient.
+
+One process plays one worker of a W-worker job: each collective the codec asks for is answered as if
+all W workers had sent the same tensor (sum = W x tensor, max = tensor), so the codec's own work —
+compress (everything before its last collective) and decompress (after it) — is timed on this
+machine, and the bytes it hands to collectives are counted. Buckets of ``--bucket-mb`` hold the
+gradients in backward (reverse) order, as in ``hvdcomp.DistributedOptimizer``.
+
+    python benchmarks/codec_costs.py --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torchvision
+
+from hvdcomp.codecs import FP16, MaxNormCodec, NoCompression
+from hvdcomp.compression import GlobalRandKMaxNorm, QSGDMaxNorm, QSGDMaxNormMultiScale
+from hvdcomp.powersgd import PowerSGD
+
+SCHEMES = {
+    "none (fp32)": lambda: NoCompression(),
+    "fp16": lambda: FP16(),
+    "QSGDMaxNorm(8)": lambda: MaxNormCodec(QSGDMaxNorm(8)),
+    "QSGDMaxNorm(4)": lambda: MaxNormCodec(QSGDMaxNorm(4)),
+    "QSGDMaxNorm(2)": lambda: MaxNormCodec(QSGDMaxNorm(2)),
+    "QSGDMaxNormMultiScale(4,8)": lambda: MaxNormCodec(QSGDMaxNormMultiScale((4, 8))),
+    "GlobalRandKMaxNorm(1%, 8)": lambda: MaxNormCodec(GlobalRandKMaxNorm(ratio=0.01, bits=8)),
+    "PowerSGD(1)": lambda: PowerSGD(rank=1),
+    "PowerSGD(2)": lambda: PowerSGD(rank=2),
+}
+
+
+def _buckets(shapes: list[torch.Size], bucket_mb: float) -> list[list[torch.Size]]:
+    buckets, current, size = [], [], 0
+    for shape in reversed(shapes):
+        nbytes = 4 * shape.numel()
+        if current and size + nbytes > bucket_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(shape)
+        size += nbytes
+    return buckets + [current]
+
+
+def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int) -> tuple[float, float, int]:
+    """(compress seconds, decompress seconds, bytes sent) of one bucket exchange."""
+    started = time.perf_counter()
+    if codec.flat:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        exchange = codec.exchange(flat, [g.numel() for g in grads], key, step, world_size)
+    else:
+        exchange = codec.exchange(grads, key, step, world_size)
+    compress = decompress = 0.0
+    sent = 0
+    request = next(exchange)
+    while True:
+        now = time.perf_counter()
+        compress += now - started
+        op, tensor = request
+        sent += tensor.numel() * tensor.element_size()
+        reply = tensor.clone() if op.endswith("max") else tensor * world_size
+        started = time.perf_counter()
+        try:
+            request = exchange.send(reply)
+        except StopIteration:
+            decompress = time.perf_counter() - started
+            return compress, decompress, sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8, help="world size the codecs pack for")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shapes = [p.shape for p in torchvision.models.resnet50(num_classes=1000).parameters()]
+    numel = sum(s.numel() for s in shapes)
+    mb = 4 * numel / 2**20
+    buckets = _buckets(shapes, args.bucket_mb)
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=gen) * 1e-3 for s in bucket] for bucket in buckets]
+    print(f"ResNet-50 gradient: {numel / 1e6:.2f}M floats ({mb:.1f} MB fp32) in {len(buckets)} buckets, "
+          f"W = {args.workers}, {args.threads} thread(s)")
+    print("| scheme | bytes sent per step | bits/element | compress ms/MB | decompress ms/MB |")
+    print("|---|---|---|---|---|")
+    for name, make in SCHEMES.items():
+        codec = make()
+        for step in range(2):  # step 0 builds caches (coordinate permutations, PowerSGD's Q): not timed
+            compress = decompress = 0.0
+            sent = 0
+            for index, bucket in enumerate(grads):
+                c, d, s = _run(codec, bucket, f"bucket{index}", step, args.workers)
+                compress, decompress, sent = compress + c, decompress + d, sent + s
+            if step:
+                print(f"| {name} | {sent / 2**20:.2f} MiB | {8 * sent / numel:.2f} | "
+                      f"{1e3 * compress / mb:.2f} | {1e3 * decompress / mb:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Distributed training with every hvdcomp scheme: CIFAR-10 ResNet-50 / VGG-16, or an offline digits task.
+
+    horovodrun -np 32 -H host1:8,host2:8,host3:8,host4:8 python examples/train.py \\
+        --dataset cifar10 --data-dir /data/cifar10 --model resnet50 --scheme qsgd --bits 6
+
+Without ``--dataset`` it trains a small CNN on scikit-learn's handwritten digits (shipped with
+scikit-learn: no network needed). Rank 0 writes one JSON-lines log per run (the config first, then
+one line per epoch: losses, top-1/top-5 on the full test set, time split into compute /
+communication / compression, bytes sent and compression ratio) to ``--log-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import horovod
+import horovod.torch as hvd
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import MODELS  # noqa: E402
+
+import hvdcomp  # noqa: E402
+from hvdcomp.codecs import FP16  # noqa: E402
+from hvdcomp.optimizer import DistributedOptimizer  # noqa: E402
+from hvdcomp.powersgd import PowerSGD  # noqa: E402
+
+SCHEMES = ("none", "fp16", "qsgd", "qsgd-multiscale", "randk", "randk-multiscale", "powersgd", "birder")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", choices=("digits", "cifar10"), default="digits")
+    p.add_argument("--data-dir", default="data", help="CIFAR-10 location (torchvision layout)")
+    p.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
+    p.add_argument("--model", choices=sorted(MODELS), default="small")
+    p.add_argument("--scheme", choices=SCHEMES, default="none")
+    p.add_argument("--bits", type=int, nargs="+", default=None,
+                   help="bits per level: one value (qsgd, randk) or increasing values (multiscale); default 8 / 4 8")
+    p.add_argument("--ratio", type=float, default=None, help="randk: fraction of coordinates per step")
+    p.add_argument("--k", type=int, default=None, help="randk: coordinates per tensor per step")
+    p.add_argument("--rank", type=int, default=1, help="powersgd: approximation rank")
+    p.add_argument("--error-feedback", action="store_true", help="fp16 error feedback; randk: on by default")
+    p.add_argument("--no-error-feedback", action="store_true", help="randk: rescale by numel/k instead")
+    p.add_argument("--hierarchical", action="store_true", help="full precision inside nodes, compressed between")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--epochs", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=128, help="per worker")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--birder-lr", type=float, default=0.004)
+    p.add_argument("--birder-beta", type=float, default=0.95)
+    p.add_argument("--birder-weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear learning-rate warm-up")
+    p.add_argument("--max-steps-per-epoch", type=int, default=None, help="for quick checks")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--log-dir", default="runs")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--checkpoint", default=None, help="save after every epoch to CHECKPOINT.rank<N>")
+    p.add_argument("--resume", default=None, help="resume from RESUME.rank<N> (as written by --checkpoint)")
+    p.add_argument("--stop-after-epoch", type=int, default=None, help="exit after this epoch (to test resume)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    multiscale = args.scheme.endswith("multiscale")
+    if args.bits is None:
+        args.bits = [4, 8] if multiscale else [8]
+    if any(not 1 <= b <= 16 for b in args.bits):
+        parser.error(f"--bits must be between 1 and 16, got {args.bits}")
+    if multiscale and (len(args.bits) < 2 or sorted(set(args.bits)) != args.bits):
+        parser.error(f"--scheme {args.scheme} needs two or more strictly increasing --bits, got {args.bits}")
+    if not multiscale and len(args.bits) != 1 and args.scheme in ("qsgd", "randk"):
+        parser.error(f"--scheme {args.scheme} takes one --bits value, got {args.bits}")
+    if args.scheme.startswith("randk"):
+        if args.ratio is not None and args.k is not None:
+            parser.error("give --ratio or --k, not both")
+        if args.ratio is None and args.k is None:
+            args.ratio = 0.01
+        if args.ratio is not None and not 0 < args.ratio <= 1:
+            parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
+        if args.k is not None and args.k < 1:
+            parser.error(f"--k must be positive, got {args.k}")
+    if args.rank < 1:
+        parser.error(f"--rank must be positive, got {args.rank}")
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be positive")
+
+
+# -- data -----------------------------------------------------------------------------------------
+def load_data(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
+    """(train set, test set, input channels)."""
+    if args.dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        images, labels = load_digits(return_X_y=True)
+        x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+        x = (x - x.mean()) / x.std()
+        y = torch.tensor(labels, dtype=torch.int64)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+        train, test = order[:1437], order[1437:]
+        return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), 1
+    import torchvision
+    from torchvision import transforms
+
+    normalize = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    train_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
+                                   transforms.ToTensor(), normalize])
+    test_tf = transforms.Compose([transforms.ToTensor(), normalize])
+    try:
+        # rank 0 downloads first; the others then find the files
+        if args.download and hvd.rank() != 0:
+            hvd.barrier()
+        train = torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=train_tf, download=args.download)
+        test = torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=test_tf, download=args.download)
+        if args.download and hvd.rank() == 0:
+            hvd.barrier()
+    except RuntimeError as error:
+        raise SystemExit(f"CIFAR-10 not found under {args.data_dir!r} ({error}); pass --download to fetch it, "
+                         "or --data-dir to point at an existing copy") from error
+    return train, test, 3
+
+
+# -- scheme ---------------------------------------------------------------------------------------
+def build_compression(args: argparse.Namespace) -> Any:
+    bits = args.bits
+    ef = not args.no_error_feedback
+    return {
+        "none": lambda: None,
+        "fp16": lambda: FP16(error_feedback=args.error_feedback),
+        "qsgd": lambda: hvdcomp.QSGDMaxNorm(bits[0], seed=args.seed),
+        "qsgd-multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale(tuple(bits), seed=args.seed),
+        "randk": lambda: hvdcomp.GlobalRandKMaxNorm(k=args.k, ratio=args.ratio, bits=bits[0], error_feedback=ef,
+                                                    seed=args.seed),
+        "randk-multiscale": lambda: hvdcomp.GlobalRandKMaxNormMultiScale(k=args.k, ratio=args.ratio,
+                                                                          bits=tuple(bits), error_feedback=ef,
+                                                                          seed=args.seed),
+        "powersgd": lambda: PowerSGD(rank=args.rank, seed=args.seed),
+    }[args.scheme]()
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    if args.scheme == "birder":
+        return hvdcomp.Birder(model.parameters(), lr=args.birder_lr, beta=args.birder_beta,
+                              weight_decay=args.birder_weight_decay, hierarchical=args.hierarchical, seed=args.seed)
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=args.momentum > 0,
+                          weight_decay=args.weight_decay)
+    return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=build_compression(args),
+                                bucket_size_mb=args.bucket_mb, hierarchical=args.hierarchical)
+
+
+def lr_lambda(args: argparse.Namespace, steps_per_epoch: int):
+    total, warmup = args.epochs * steps_per_epoch, args.warmup_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return factor
+
+
+# -- accounting -----------------------------------------------------------------------------------
+class Meter:
+    """Bytes and seconds of the exchange, from the optimizer's statistics, per epoch."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, numel: int) -> None:
+        self.optimizer, self.numel = optimizer, numel
+        self.reset()
+
+    def reset(self) -> None:
+        self.values = dict(intra_node_bytes=0, inter_node_bytes=0, uncompressed_bytes=0, communicate_s=0.0,
+                           compress_s=0.0)
+
+    def after_step(self, step_seconds: float) -> None:
+        v = self.values
+        stats = self.optimizer.stats
+        if isinstance(stats, dict):  # Birder: its step is the exchange; no finer split
+            v["intra_node_bytes"] += stats.get("intra_node_bytes", 0)
+            v["inter_node_bytes"] += stats.get("inter_node_bytes", 0) + stats.get("control_bytes", 0)
+            v["uncompressed_bytes"] += 4 * self.numel
+            v["communicate_s"] += step_seconds
+        else:
+            last = stats.last_step
+            v["intra_node_bytes"] += last.intra_node_bytes
+            v["inter_node_bytes"] += last.inter_node_bytes
+            v["uncompressed_bytes"] += last.uncompressed_bytes
+            v["communicate_s"] += last.communicate_s
+            v["compress_s"] += last.compress_s + last.decompress_s
+
+
+def evaluate(model: nn.Module, test_set: Dataset, batch_size: int) -> dict[str, float]:
+    """Loss, top-1 and top-5 over the whole test set: each worker takes every size-th example, sums in fp64."""
+    shard = Subset(test_set, range(hvd.rank(), len(test_set), hvd.size()))
+    totals = torch.zeros(4, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for x, y in DataLoader(shard, batch_size=batch_size):
+            logits = model(x)
+            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            totals += torch.tensor([
+                nn.functional.cross_entropy(logits, y, reduction="sum").item(),
+                (top[:, 0] == y).sum().item(), (top == y[:, None]).any(dim=1).sum().item(), len(y)],
+                dtype=torch.float64)
+    model.train()
+    loss, top1, top5, count = hvd.allreduce(totals, op=hvd.Sum).tolist()
+    return {"test_loss": loss / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count}
+
+
+def average_buffers(model: nn.Module) -> None:
+    """BatchNorm running statistics differ per worker; evaluate with their mean."""
+    for name, buffer in model.named_buffers():
+        if buffer.is_floating_point():
+            buffer.copy_(hvd.allreduce(buffer, op=hvd.Average, name=f"buffer.{name}"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    hvd.init(process_sets="dynamic" if args.hierarchical else None)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rank, size = hvd.rank(), hvd.size()
+
+    train_set, test_set, channels = load_data(args)
+    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    steps_per_epoch = min(len(loader), args.max_steps_per_epoch or len(loader))
+    if steps_per_epoch == 0:
+        raise SystemExit(f"--batch-size {args.batch_size} leaves no full batch of {len(train_set) // size} "
+                         "examples per worker")
+    model = MODELS[args.model](num_classes=10, in_channels=channels)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = build_optimizer(args, model)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch))
+    start_epoch = 0
+    if args.resume:
+        state = torch.load(f"{args.resume}.rank{rank}", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        start_epoch = state["epoch"] + 1
+        if hvd.broadcast_object(start_epoch, root_rank=0) != start_epoch:
+            raise SystemExit("workers resumed from different epochs; give every worker its own checkpoint")
+    numel = sum(p.numel() for p in model.parameters())
+    meter = Meter(optimizer, numel)
+
+    log = None
+    if rank == 0:
+        run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}-np{size}"
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.log_dir) / f"{run_name}.jsonl", "a" if args.resume else "w", encoding="utf-8")
+        if not args.resume:
+            config = dict(vars(args), world_size=size, local_size=hvd.local_size(), parameters=numel,
+                          steps_per_epoch=steps_per_epoch, torch=torch.__version__, horovod=horovod.__version__)
+            log.write(json.dumps({"type": "config", **config}) + "\n")
+    started = time.time()
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        meter.reset()
+        epoch_start = time.perf_counter()
+        train_loss = torch.zeros(2, dtype=torch.float64)
+        batches = iter(loader)
+        progress = range(steps_per_epoch)
+        if rank == 0 and not args.no_progress:
+            from tqdm import tqdm
+
+            progress = tqdm(progress, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False)
+        for _ in progress:
+            x, y = next(batches)
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            step_start = time.perf_counter()
+            optimizer.step()
+            meter.after_step(time.perf_counter() - step_start)
+            schedule.step()
+            train_loss += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+        epoch_seconds = time.perf_counter() - epoch_start
+        average_buffers(model)
+        metrics = evaluate(model, test_set, 512)
+        train_sum, train_count = hvd.allreduce(train_loss, op=hvd.Sum).tolist()
+        v = meter.values
+        record = {
+            "type": "epoch", "epoch": epoch + 1, "train_loss": train_sum / train_count, **metrics,
+            "lr": schedule.get_last_lr()[0], "wall_s": time.time() - started, "epoch_s": epoch_seconds,
+            "compute_s": epoch_seconds - v["communicate_s"] - v["compress_s"],
+            "communicate_s": v["communicate_s"], "compress_s": v["compress_s"] if args.scheme != "birder" else None,
+            "intra_node_bytes": v["intra_node_bytes"], "inter_node_bytes": v["inter_node_bytes"],
+            "uncompressed_bytes": v["uncompressed_bytes"],
+            "compression_ratio": v["uncompressed_bytes"] / max(1, v["inter_node_bytes"]),
+        }
+        if not math.isfinite(record["train_loss"]):
+            raise SystemExit(f"training diverged at epoch {epoch + 1} (loss {record['train_loss']})")
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            sent_mib = v["inter_node_bytes"] / 2**20
+            print(f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}  test loss {metrics['test_loss']:.4f}  "
+                  f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  sent {sent_mib:.2f} MiB "
+                  f"(x{record['compression_ratio']:.2f})  {epoch_seconds:.1f}s", flush=True)
+        if args.checkpoint:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "epoch": epoch, "args": vars(args)},
+                       f"{args.checkpoint}.rank{rank}")
+        if args.stop_after_epoch is not None and epoch + 1 >= args.stop_after_epoch:
+            break
+    if log is not None:
+        log.close()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

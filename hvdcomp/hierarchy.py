@@ -1,0 +1,114 @@
+"""Hierarchical exchanges: full precision inside a node, the codec's compressed payload only between nodes.
+
+Both wrappers first sum the bucket over the node's workers (``"local_sum"``, float32 on the fast
+intra-node links) and take the node mean. Each local rank then owns a shard and runs the codec on it
+with the workers of the same local rank on the other nodes (its flat collectives become
+``"cross_*"`` ones, ``world_size`` = number of nodes), so every local rank carries 1/local_size of the
+bucket across nodes. A ``"local_allgather"`` of the shards gives every worker the full mean.
+Nodes must have equal numbers of workers, so the mean of node means is the mean over all workers.
+
+- ``hierarchical_flat``: shards are equal slices of the flat vector (flat, element-wise codecs).
+- ``hierarchical_tensors``: shards are whole tensors, balanced by size (tensor codecs, e.g. PowerSGD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .protocol import Exchange
+
+_CROSS = {"max": "cross_max", "sum": "cross_sum", "payload": "cross_sum"}
+
+
+def across_nodes(inner: Exchange) -> Exchange:
+    """Run ``inner`` (flat collectives only) among the workers sharing this local rank."""
+    try:
+        op, tensor = next(inner)
+        while True:
+            if op not in _CROSS:
+                raise ValueError(f"a codec inside a hierarchical exchange may not ask for {op!r}")
+            op, tensor = inner.send((yield _CROSS[op], tensor))
+    except StopIteration as done:
+        return done.value
+
+
+def shard_bounds(numel: int, shards: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of shard ``index`` of ``shards`` near-equal slices of ``numel`` elements."""
+    base, extra = divmod(numel, shards)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
+
+
+def slice_segments(segments: Sequence[int], lo: int, hi: int) -> list[int]:
+    """Sizes of the parts of consecutive ``segments`` that fall in [lo, hi)."""
+    out, start = [], 0
+    for size in segments:
+        part = min(hi, start + size) - max(lo, start)
+        if part > 0:
+            out.append(part)
+        start += size
+    return out
+
+
+def hierarchical_flat(
+    codec_exchange: Callable[[torch.Tensor, list[int], Any, int], Exchange],
+    flat: torch.Tensor,
+    segments: Sequence[int],
+    key: object,
+    local_size: int,
+    local_rank: int,
+    cross_size: int,
+) -> Exchange:
+    """Hierarchical exchange of a flat float32 vector; returns the mean over all workers.
+
+    ``codec_exchange(shard, shard_segments, shard_key, world_size)`` builds the codec's exchange.
+    """
+    node_sum = yield "local_sum", flat
+    lo, hi = shard_bounds(flat.numel(), local_size, local_rank)
+    shard = node_sum[lo:hi].div_(local_size)
+    inner = codec_exchange(shard, slice_segments(segments, lo, hi), (key, local_rank), cross_size)
+    shard_mean = yield from across_nodes(inner)
+    return (yield "local_allgather", shard_mean)
+
+
+def balanced_owners(sizes: Sequence[int], shards: int) -> list[int]:
+    """Owner (local rank) of each tensor: largest first to the least loaded shard."""
+    load = [0] * shards
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner = min(range(shards), key=lambda s: load[s])
+        owners[index] = owner
+        load[owner] += sizes[index]
+    return owners
+
+
+def hierarchical_tensors(
+    codec_exchange: Callable[[list[torch.Tensor], Any, int], Exchange],
+    grads: Sequence[torch.Tensor],
+    key: object,
+    local_size: int,
+    local_rank: int,
+    cross_size: int,
+) -> Exchange:
+    """Hierarchical exchange of whole tensors; returns the list of means over all workers (float32).
+
+    ``codec_exchange(tensors, shard_key, world_size)`` builds the codec's exchange over a list.
+    """
+    flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
+    node_sum = yield "local_sum", flat
+    node_mean = node_sum.div_(local_size).split([g.numel() for g in grads])
+    owners = balanced_owners([g.numel() for g in grads], local_size)
+    mine = [node_mean[i].view(grads[i].shape) for i in range(len(grads)) if owners[i] == local_rank]
+    means = yield from across_nodes(codec_exchange(mine, (key, local_rank), cross_size))
+    flat_mine = torch.cat([m.reshape(-1).float() for m in means]) if means else flat.new_zeros(0)
+    gathered = yield "local_allgather", flat_mine
+    # the gather is ordered by local rank; within a rank, by tensor index
+    order = sorted(range(len(grads)), key=lambda i: (owners[i], i))
+    pieces = gathered.split([grads[i].numel() for i in order])
+    out: list[torch.Tensor] = [torch.empty(0)] * len(grads)
+    for index, piece in zip(order, pieces):
+        out[index] = piece.view(grads[index].shape)
+    return out
