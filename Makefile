@@ -44,7 +44,7 @@ lint: install
 	.venv/bin/ruff check .
 
 demo: install
-	$(PY) examples/smoke_allreduce.py
+	$(PY) examples/demo.py
 
 clean-venv:
 	rm -rf .venv

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import horovod.torch as hvd
 import torch
 import torchvision
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    hvd.init()  # a single worker: the compressors seed their rounding with its rank
     torch.set_num_threads(args.threads)
     shapes = [p.shape for p in torchvision.models.resnet50(num_classes=1000).parameters()]
     numel = sum(s.numel() for s in shapes)
