@@ -6,7 +6,7 @@ import torch
 from tests.harness import run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
-SCHEMES = ["none", "fp16", "fp16_ef", "qsgd8", "qsgd4_chunked", "multiscale", "randk", "powersgd1", "powersgd2"]
+SCHEMES = ["none", "horovod_none", "fp16", "fp16_ef", "qsgd8", "qsgd4_chunked", "multiscale", "randk", "powersgd1", "powersgd2"]
 
 
 def _codec(name):
@@ -222,6 +222,9 @@ def test_resume_continues_exactly(tmp_path, name):
 def _misuse_worker():
     import horovod.torch as hvd
 
+    import os
+    import warnings
+
     from hvdcomp import Birder
     from hvdcomp.optimizer import DistributedOptimizer
 
@@ -254,6 +257,17 @@ def _misuse_worker():
     torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.zeros(4, 1)).backward()
     attempt("zero_grad early", optimizer.zero_grad)
     optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with optimizer.skip_synchronize():
+            optimizer.step()  # after synchronize(): no second exchange, no warning
+        torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.zeros(4, 1)).backward()
+        optimizer.synchronize()
+        optimizer.step()  # forgot skip_synchronize(): warns, does not exchange again
+        os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+        DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    errors["warnings"] = [str(w.message) for w in caught]
+    errors["exchanges"] = optimizer.stats.steps
     optimizer.zero_grad()
     half = model.half()
     attempt("mixed dtypes", lambda: half(torch.randn(4, 12).half()).sum().backward())
@@ -269,3 +283,6 @@ def test_misuse_is_refused_clearly():
     assert "process set" in rank1 and "process set" not in rank0
     assert "unique" in rank0["duplicate names"] and "backward_passes_per_step" in rank0["passes"]
     assert "does not update" in rank0["stranger"] and "zero_grad" in rank0["zero_grad early"]
+    messages = rank0["warnings"]
+    assert len(messages) == 2 and "skip_synchronize" in messages[0] and "NCCL" in messages[1], messages
+    assert rank0["exchanges"] == 2
