@@ -6,7 +6,8 @@ import torch
 from tests.harness import run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
-SCHEMES = ["none", "horovod_none", "fp16", "fp16_ef", "qsgd8", "qsgd4_chunked", "multiscale", "randk", "powersgd1", "powersgd2"]
+SCHEMES = ["none", "horovod_none", "fp16", "fp16_ef", "qsgd8", "qsgd4_chunked", "multiscale", "randk", "powersgd1",
+           "powersgd2"]
 
 
 def _codec(name):
@@ -220,10 +221,10 @@ def test_resume_continues_exactly(tmp_path, name):
 
 
 def _misuse_worker():
-    import horovod.torch as hvd
-
     import os
     import warnings
+
+    import horovod.torch as hvd
 
     from hvdcomp import Birder
     from hvdcomp.optimizer import DistributedOptimizer
