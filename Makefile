@@ -35,6 +35,7 @@ $(STAMP)/package: setup.py $(CONSTRAIN) | $(STAMP)/torch
 install: system-deps horovod $(STAMP)/package
 
 test: install
+	.venv/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
