@@ -109,5 +109,4 @@ class LaneLayout:
             raise ValueError(f"{word_sums.numel()} words cannot hold {numel} elements of this layout")
         mask = (1 << self.lane_width) - 1
         lanes = word_sums.unsqueeze(1).bitwise_right_shift(self._shifts(word_sums.device)).bitwise_and_(mask)
-        sums = lanes.view(-1)[:numel]
-        return sums - self.offset * self.world_size
+        return lanes.view(-1)[:numel].sub_(self.offset * self.world_size)

@@ -175,8 +175,7 @@ class MaxNormQuantizer:
         ratio = self._ratio(x, stats, groups)
         noise = torch.rand(ratio.shape, generator=generator, device=ratio.device, dtype=torch.float32)
         magnitude = ratio.mul_(self._levels_per_element(agreed, x.device)).add_(noise).floor_()
-        magnitude = magnitude.clamp_(max=self.coarse_levels).to(torch.int64)
-        levels = torch.where(x.reshape(-1) < 0, -magnitude, magnitude)
+        levels = magnitude.clamp_(max=self.coarse_levels).copysign_(x.reshape(-1).float()).to(torch.int64)
         return self.payload_layout(world_size, word_bits).pack(levels, validate=False)
 
     def decode(
