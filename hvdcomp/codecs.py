@@ -55,13 +55,12 @@ class FP16:
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: object, step: int,
                  world_size: int) -> Exchange:
-        source = flat
-        if self.memory is not None:
+        if self.memory is None:
+            half = flat.half()
+        else:  # the residual buffer holds gradient + residual, then what rounding to float16 lost
             residual = self.memory.residual(key, flat)
-            source = flat + residual
-        half = source.half()
-        if self.memory is not None:
-            torch.sub(source, half.float(), out=residual)
+            half = residual.add_(flat).half()
+            residual.sub_(half)
         total = yield "sum", half
         return total.float().div_(world_size)
 

@@ -277,12 +277,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     break
 
     def _write_back(self, bucket: _Bucket, result: Any) -> None:
-        scale = 1.0 if self._average else float(self._transport.size)
         means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
         for p, mean in zip(bucket.params, means):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(mean.view(p.shape) if scale == 1.0 else mean.view(p.shape) * scale)
+            p.grad.copy_(mean.view(p.shape))
+            if not self._average:
+                p.grad.mul_(self._transport.size)
 
     # -- the Horovod optimizer interface ---------------------------------------------------------
     def synchronize(self) -> None:

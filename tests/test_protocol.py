@@ -197,7 +197,7 @@ def test_segments_get_their_own_scale():
     per_tensor = simulate([s.exchange(flat, 0, 0, 2, generator=g, segments=[5, 5]) for s, g in zip(schemes, gens)])
     assert torch.allclose(per_tensor[0], flat)
     one_scale = simulate([s.exchange(flat, 0, 0, 2, generator=g) for s, g in zip(schemes, gens)])
-    assert one_scale[0][5:].abs().max() in (0.0, 100 / 3)
+    assert not torch.allclose(one_scale[0][5:], flat[5:])  # one scale of 100 cannot resolve 0.01
 
 
 def test_sparse_segments_count_the_selected_elements():
