@@ -12,24 +12,22 @@ gradients in backward (reverse) order, as in ``hvdcomp.DistributedOptimizer``.
 from __future__ import annotations
 
 import argparse
-import time
 
-import horovod.torch as hvd
 import torch
 import torchvision
 
-from hvdcomp.codecs import FP16, MaxNormCodec, NoCompression
-from hvdcomp.compression import GlobalRandKMaxNorm, QSGDMaxNorm, QSGDMaxNormMultiScale
-from hvdcomp.powersgd import PowerSGD
+from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector
+from hvdcomp.exchange import FP16, ElementwiseCodec, MaxNormCodec, NoCompression, Placement, PowerSGD, Reduction
+from hvdcomp.exchange.stats import Traffic, counted
 
 SCHEMES = {
     "none (fp32)": lambda: NoCompression(),
     "fp16": lambda: FP16(),
-    "QSGDMaxNorm(8)": lambda: MaxNormCodec(QSGDMaxNorm(8)),
-    "QSGDMaxNorm(4)": lambda: MaxNormCodec(QSGDMaxNorm(4)),
-    "QSGDMaxNorm(2)": lambda: MaxNormCodec(QSGDMaxNorm(2)),
-    "QSGDMaxNormMultiScale(4,8)": lambda: MaxNormCodec(QSGDMaxNormMultiScale((4, 8))),
-    "GlobalRandKMaxNorm(1%, 8)": lambda: MaxNormCodec(GlobalRandKMaxNorm(ratio=0.01, bits=8)),
+    "QSGDMaxNorm(8)": lambda: MaxNormCodec(MaxNormQuantizer((8,))),
+    "QSGDMaxNorm(4)": lambda: MaxNormCodec(MaxNormQuantizer((4,))),
+    "QSGDMaxNorm(2)": lambda: MaxNormCodec(MaxNormQuantizer((2,))),
+    "QSGDMaxNormMultiScale(4,8)": lambda: MaxNormCodec(MaxNormQuantizer((4, 8))),
+    "GlobalRandKMaxNorm(1%, 8)": lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(ratio=0.01)),
     "PowerSGD(1)": lambda: PowerSGD(rank=1),
     "PowerSGD(2)": lambda: PowerSGD(rank=2),
 }
@@ -47,29 +45,21 @@ def _buckets(shapes: list[torch.Size], bucket_mb: float) -> list[list[torch.Size
     return buckets + [current]
 
 
-def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int) -> tuple[float, float, int]:
-    """(compress seconds, decompress seconds, bytes sent) of one bucket exchange."""
-    started = time.perf_counter()
-    if codec.flat:
+def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int, traffic: Traffic) -> None:
+    """One bucket exchange, every worker sending what this one sends; bytes and seconds go to ``traffic``."""
+    if isinstance(codec, ElementwiseCodec):
         flat = torch.cat([g.reshape(-1) for g in grads])
         exchange = codec.exchange(flat, [g.numel() for g in grads], key, step, world_size)
     else:
         exchange = codec.exchange(grads, key, step, world_size)
-    compress = decompress = 0.0
-    sent = 0
-    request = next(exchange)
-    while True:
-        now = time.perf_counter()
-        compress += now - started
-        op, tensor = request
-        sent += tensor.numel() * tensor.element_size()
-        reply = tensor.clone() if op.endswith("max") else tensor * world_size
-        started = time.perf_counter()
-        try:
-            request = exchange.send(reply)
-        except StopIteration:
-            decompress = time.perf_counter() - started
-            return compress, decompress, sent
+    exchange = counted(exchange, traffic, Placement(0, world_size, world_size))
+    try:
+        op, tensor = next(exchange)
+        while True:
+            reply = tensor.clone() if op.reduction is Reduction.MAX else tensor * world_size
+            op, tensor = exchange.send(reply)
+    except StopIteration:
+        pass
 
 
 def main() -> None:
@@ -78,7 +68,6 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    hvd.init()  # a single worker: the compressors seed their rounding with its rank
     torch.set_num_threads(args.threads)
     shapes = [p.shape for p in torchvision.models.resnet50(num_classes=1000).parameters()]
     numel = sum(s.numel() for s in shapes)
@@ -92,15 +81,15 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, make in SCHEMES.items():
         codec = make()
+        codec.bind_rank(0)
         for step in range(2):  # step 0 builds caches (coordinate permutations, PowerSGD's Q): not timed
-            compress = decompress = 0.0
-            sent = 0
+            traffic = Traffic()
             for index, bucket in enumerate(grads):
-                c, d, s = _run(codec, bucket, f"bucket{index}", step, args.workers)
-                compress, decompress, sent = compress + c, decompress + d, sent + s
+                _run(codec, bucket, f"bucket{index}", step, args.workers, traffic)
             if step:
+                sent = traffic.sent_bytes
                 print(f"| {name} | {sent / 2**20:.2f} MiB | {8 * sent / numel:.2f} | "
-                      f"{1e3 * compress / mb:.2f} | {1e3 * decompress / mb:.2f} |")
+                      f"{1e3 * traffic.compress_s / mb:.2f} | {1e3 * traffic.decompress_s / mb:.2f} |")
 
 
 if __name__ == "__main__":

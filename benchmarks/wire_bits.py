@@ -7,8 +7,8 @@ is the path through Horovod's stock optimizer (``carrier.word_bits(W)`` usable b
 
 import argparse
 
-from hvdcomp import carrier
-from hvdcomp.packing import INT64_WORD_BITS, LaneLayout
+from hvdcomp.codec import carrier
+from hvdcomp.codec.packing import INT64_WORD_BITS, LaneLayout
 
 
 def main() -> None:

@@ -31,9 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS  # noqa: E402
 
 import hvdcomp  # noqa: E402
-from hvdcomp.codecs import FP16  # noqa: E402
-from hvdcomp.optimizer import DistributedOptimizer  # noqa: E402
-from hvdcomp.powersgd import PowerSGD  # noqa: E402
+from hvdcomp import FP16, DistributedOptimizer, PowerSGD  # noqa: E402
 
 SCHEMES = ("none", "fp16", "qsgd", "qsgd-multiscale", "randk", "randk-multiscale", "powersgd", "birder")
 
@@ -179,29 +177,22 @@ def lr_lambda(args: argparse.Namespace, steps_per_epoch: int):
 class Meter:
     """Bytes and seconds of the exchange, from the optimizer's statistics, per epoch."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, numel: int) -> None:
-        self.optimizer, self.numel = optimizer, numel
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
         self.reset()
 
     def reset(self) -> None:
         self.values = dict(intra_node_bytes=0, inter_node_bytes=0, uncompressed_bytes=0, communicate_s=0.0,
                            compress_s=0.0)
 
-    def after_step(self, step_seconds: float) -> None:
+    def after_step(self) -> None:
         v = self.values
-        stats = self.optimizer.stats
-        if isinstance(stats, dict):  # Birder: its step is the exchange; no finer split
-            v["intra_node_bytes"] += stats.get("intra_node_bytes", 0)
-            v["inter_node_bytes"] += stats.get("inter_node_bytes", 0) + stats.get("control_bytes", 0)
-            v["uncompressed_bytes"] += 4 * self.numel
-            v["communicate_s"] += step_seconds
-        else:
-            last = stats.last_step
-            v["intra_node_bytes"] += last.intra_node_bytes
-            v["inter_node_bytes"] += last.inter_node_bytes
-            v["uncompressed_bytes"] += last.uncompressed_bytes
-            v["communicate_s"] += last.communicate_s
-            v["compress_s"] += last.compress_s + last.decompress_s
+        last = self.optimizer.stats.last_step  # the same statistics type for our optimizer and Birder
+        v["intra_node_bytes"] += last.intra_node_bytes
+        v["inter_node_bytes"] += last.inter_node_bytes + last.control_bytes
+        v["uncompressed_bytes"] += last.uncompressed_bytes
+        v["communicate_s"] += last.communicate_s
+        v["compress_s"] += last.compress_s + last.decompress_s
 
 
 def evaluate(model: nn.Module, test_set: Dataset, batch_size: int) -> dict[str, float]:
@@ -257,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         if hvd.broadcast_object(start_epoch, root_rank=0) != start_epoch:
             raise SystemExit("workers resumed from different epochs; give every worker its own checkpoint")
     numel = sum(p.numel() for p in model.parameters())
-    meter = Meter(optimizer, numel)
+    meter = Meter(optimizer)
 
     log = None
     if rank == 0:
@@ -286,9 +277,8 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
-            step_start = time.perf_counter()
             optimizer.step()
-            meter.after_step(time.perf_counter() - step_start)
+            meter.after_step()
             schedule.step()
             train_loss += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
         epoch_seconds = time.perf_counter() - epoch_start
@@ -300,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             "type": "epoch", "epoch": epoch + 1, "train_loss": train_sum / train_count, **metrics,
             "lr": schedule.get_last_lr()[0], "wall_s": time.time() - started, "epoch_s": epoch_seconds,
             "compute_s": epoch_seconds - v["communicate_s"] - v["compress_s"],
-            "communicate_s": v["communicate_s"], "compress_s": v["compress_s"] if args.scheme != "birder" else None,
+            "communicate_s": v["communicate_s"], "compress_s": v["compress_s"],
             "intra_node_bytes": v["intra_node_bytes"], "inter_node_bytes": v["inter_node_bytes"],
             "uncompressed_bytes": v["uncompressed_bytes"],
             "compression_ratio": v["uncompressed_bytes"] / max(1, v["inter_node_bytes"]),

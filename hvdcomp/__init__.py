@@ -1,39 +1,55 @@
-"""hvdcomp: all-reduce-compatible gradient compression for Horovod + PyTorch."""
+"""hvdcomp: all-reduce-compatible gradient compression for Horovod + PyTorch.
 
-from .birder import Birder
-from .carrier import CarrierMismatchError
-from .codecs import FP16, NoCompression
-from .compression import (
-    GlobalRandKMaxNorm,
-    GlobalRandKMaxNormMultiScale,
-    MaxNormCompressor,
-    QSGDMaxNorm,
-    QSGDMaxNormMultiScale,
-)
-from .optimizer import DistributedOptimizer
-from .packing import LaneLayout
-from .powersgd import PowerSGD
-from .quantize import MaxNormQuantizer
-from .selection import RandomCoordinateSelector
-from .transport import HorovodTransport, MPITransport
+Layers, each depending only on those below it:
 
-__all__ = [
-    "Birder",
-    "CarrierMismatchError",
-    "DistributedOptimizer",
-    "FP16",
-    "GlobalRandKMaxNorm",
-    "GlobalRandKMaxNormMultiScale",
-    "HorovodTransport",
-    "LaneLayout",
-    "MPITransport",
-    "MaxNormCompressor",
-    "MaxNormQuantizer",
-    "NoCompression",
-    "PowerSGD",
-    "QSGDMaxNorm",
-    "QSGDMaxNormMultiScale",
-    "RandomCoordinateSelector",
-]
+- ``hvdcomp.codec``: pure tensor math (packing, quantizers, coordinate selection, error feedback,
+  PowerSGD's and Birder's math); importable without Horovod or mpi4py;
+- ``hvdcomp.exchange``: protocols of typed collective requests, the bucket codec contract, the
+  simulator, hierarchical routing, the 1-bit exchanges, the cost model and the statistics type;
+- ``hvdcomp.transport``: Horovod and MPI carry the requests out;
+- ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer`` and ``Birder``.
 
+The public names below load their layer on first use, so ``import hvdcomp.codec`` (or
+``hvdcomp.exchange``) needs neither Horovod nor mpi4py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "CarrierMismatchError": ".codec",
+    "LaneLayout": ".codec",
+    "MaxNormQuantizer": ".codec",
+    "RandomCoordinateSelector": ".codec",
+    "FP16": ".exchange",
+    "NoCompression": ".exchange",
+    "PowerSGD": ".exchange",
+    "Statistics": ".exchange",
+    "HorovodTransport": ".transport",
+    "MPITransport": ".transport",
+    "GlobalRandKMaxNorm": ".integrations.compressors",
+    "GlobalRandKMaxNormMultiScale": ".integrations.compressors",
+    "MaxNormCompressor": ".integrations.compressors",
+    "QSGDMaxNorm": ".integrations.compressors",
+    "QSGDMaxNormMultiScale": ".integrations.compressors",
+    "DistributedOptimizer": ".integrations.optimizer",
+    "Birder": ".integrations.birder",
+}
+
+__all__ = sorted(_HOMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'hvdcomp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

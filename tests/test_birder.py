@@ -8,22 +8,14 @@ import warnings
 import pytest
 import torch
 
-from hvdcomp.birder import (
-    Birder,
-    Topology,
-    binarize,
-    choose_inter_node,
-    chunk_length,
-    flat_one_bit_mean,
-    hierarchical_one_bit_mean,
-    pack_bits,
-    signs_from_direction,
-    simulate_step,
-    unbiased_direction,
-    unpack_bits,
-)
-from hvdcomp.packing import LaneLayout
-from hvdcomp.protocol import simulate
+from hvdcomp.codec.onebit import binarize, signs_from_direction, unbiased_direction
+from hvdcomp.codec.packing import LaneLayout, bits_to_bytes, bytes_to_bits
+from hvdcomp.exchange.cost import choose_inter_node
+from hvdcomp.exchange.hierarchy import shard_length
+from hvdcomp.exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
+from hvdcomp.exchange.protocol import Op, Placement
+from hvdcomp.exchange.simulator import simulate
+from hvdcomp.integrations.birder import Birder, simulate_step
 
 Z_MAX = 4.5  # bias tolerance in standard errors
 
@@ -68,17 +60,17 @@ def test_unbiased_direction_masks_zero_b_and_clamps():
 def test_pack_bits_round_trip(numel):
     gen = torch.Generator().manual_seed(numel)
     bits = torch.rand(numel, generator=gen) < 0.5
-    packed = pack_bits(bits)
+    packed = bits_to_bytes(bits)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8)
-    assert torch.equal(unpack_bits(packed, numel), bits)
+    assert torch.equal(bytes_to_bits(packed, numel), bits)
     rows = torch.stack([bits, ~bits])  # several workers' bytes, concatenated as an allgather returns them
-    gathered = torch.cat([pack_bits(r) for r in rows]).view(2, -1)
-    assert torch.equal(unpack_bits(gathered, numel), rows)
+    gathered = torch.cat([bits_to_bytes(r) for r in rows]).view(2, -1)
+    assert torch.equal(bytes_to_bits(gathered, numel), rows)
 
 
 def test_pack_bits_layout_is_lsb_first():
     bits = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.bool)
-    assert pack_bits(bits).tolist() == [129, 1]
+    assert bits_to_bytes(bits).tolist() == [129, 1]
 
 
 def test_chooser_picks_fewer_bytes():
@@ -144,7 +136,7 @@ def test_one_worker_per_node_is_the_exact_mean():
     exact = torch.stack([b.float() * 2 - 1 for b in bits]).mean(dim=0)
     hier = simulate([hierarchical_one_bit_mean(bits[r], gens[r], 1, 0, world_size, "sum") for r in range(world_size)],
                     local_size=1)
-    flat = simulate([flat_one_bit_mean(bits[r], world_size) for r in range(world_size)])
+    flat = simulate([one_bit_mean(bits[r], world_size) for r in range(world_size)])
     assert all(torch.equal(out, exact) for out in hier + flat)
 
 
@@ -168,15 +160,15 @@ def test_exchange_requests_and_chunks():
     bits = torch.ones(numel, dtype=torch.bool)
     exchange = hierarchical_one_bit_mean(bits, torch.Generator().manual_seed(0), 2, 1, 2, "allgather")
     op, words = next(exchange)
-    assert op == "local_sum" and words.dtype == torch.int64 and words.numel() == 1  # 21 lanes of 2 bits
+    assert op is Op.LOCAL_SUM and words.dtype == torch.int64 and words.numel() == 1  # 21 lanes of 2 bits
     node_sums = words * 2  # both workers of the node sent all-ones
     op, packed = exchange.send(node_sums)
-    chunk = chunk_length(numel, 2)
-    assert chunk == 11 and op == "cross_allgather" and packed.dtype == torch.uint8 and packed.numel() == 2
+    chunk = shard_length(numel, 2)
+    assert chunk == 11 and op is Op.CROSS_ALLGATHER and packed.dtype == torch.uint8 and packed.numel() == 2
     # this worker owns elements 11..21 (+1 padding element, sent as 0): all +1 with probability 1
-    assert unpack_bits(packed, chunk).tolist() == [True] * 10 + [False]
+    assert bytes_to_bits(packed, chunk).tolist() == [True] * 10 + [False]
     op, counts = exchange.send(torch.cat([packed, packed]))
-    assert op == "local_allgather" and counts.dtype == torch.int64
+    assert op is Op.LOCAL_ALLGATHER and counts.dtype == torch.int64
     assert LaneLayout(span=2, world_size=1).unpack(counts, 31)[:chunk].tolist() == [2] * 10 + [0]
     chunk0 = LaneLayout(span=2, world_size=1).pack(torch.full((chunk,), 2))  # local rank 0: all +1 on both nodes
     with pytest.raises(StopIteration) as done:
@@ -213,13 +205,20 @@ def _workers(world_size, seed=5, **kwargs):
     return params, [Birder(p, seed=seed, **kwargs) for p in params]
 
 
+def _record(optimizer):
+    """The last step's statistics as a dict, with the step counts and the route."""
+    stats = optimizer.stats
+    return {**stats.last_step.as_dict(), "steps": stats.steps, "skipped_steps": stats.skipped_steps,
+            "route": optimizer.route}
+
+
 def _run(params, opts, local_size, steps, first_step=0, nan_step=None):
     stats = []
     for step in range(first_step, first_step + steps):
         for rank, p in enumerate(params):
             _set_grads(p, rank, step, nan=step == nan_step and rank == 1)
         simulate_step(opts, local_size)
-        stats.append([dict(o.stats) for o in opts])
+        stats.append([_record(o) for o in opts])
     return stats
 
 
@@ -251,15 +250,15 @@ def test_replicas_stay_identical_masking_and_bytes(world_size, local_size, inter
     mask_sync = 8 * math.ceil(numel / _lanes(world_size))
     for step, per_worker in enumerate(stats):
         for s in per_worker:
-            assert s["step"] == step + 1 and not s["skipped"] and s["elements"] == numel
+            assert s["steps"] == step + 1 and s["skipped_steps"] == 0 and s["uncompressed_bytes"] == 4 * numel
             # the mask is agreed at the first step only (later steps bring no new non-zero elements)
             assert s["control_bytes"] == 32 + (mask_sync if step == 0 else 0)
             if num_nodes == 1:
-                assert s["path"] == "flat" and s["intra_node_bytes"] == 0
+                assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
                 assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(world_size))
                 continue
             variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
-            assert s["path"] == "hierarchical" and s["inter_node"] == variant
+            assert s["route"] == f"hierarchical:{variant}"
             inter = math.ceil(chunk / 8) if variant == "allgather" else 8 * math.ceil(chunk / _lanes(num_nodes))
             local_sum = 8 * math.ceil(numel / _lanes(local_size))
             local_gather = 8 * math.ceil(chunk / _lanes(num_nodes))
@@ -279,8 +278,8 @@ def test_bits_per_element_on_the_wire():
     for rank, p in enumerate(params):
         p[0].grad = torch.full((numel,), float(rank) - 1.5)
     simulate_step(opts, local_size=2)
-    s = opts[0].stats
-    assert s["inter_node"] == "allgather"
+    s = _record(opts[0])
+    assert s["route"] == "hierarchical:allgather"
     assert s["inter_node_bytes"] * 8 / numel == 0.5  # 1 bit per element per node of 2 workers
     assert s["intra_node_bytes"] * 8 / numel == pytest.approx(64 / 31 + 32 / 31)  # 2-bit lanes, 31 per word
     assert s["inter_node_wire_bytes"] == s["inter_node_bytes"]  # ring allgather over 2 nodes
@@ -293,7 +292,7 @@ def test_flat_path_when_not_hierarchical_or_one_worker_per_node(local_size, hier
     _assert_replicas_identical(params)
     numel = sum(math.prod(s) for s in SHAPES)
     s = stats[-1][0]
-    assert s["path"] == "flat" and s["intra_node_bytes"] == 0
+    assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
     assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(4))
 
 
@@ -303,7 +302,7 @@ def test_no_elements():
     for p in params:
         p[0].grad = torch.zeros(0)
     simulate_step(opts, 2)
-    assert opts[0].stats["step"] == 1 and opts[0].stats["inter_node_bytes"] == 0
+    assert opts[0].stats.steps == 1 and opts[0].stats.last_step.inter_node_bytes == 0
 
 
 def test_nonfinite_gradient_skips_the_step_everywhere():
@@ -314,7 +313,7 @@ def test_nonfinite_gradient_skips_the_step_everywhere():
     before = [p.detach().clone() for p in params[0]]
     with pytest.warns(RuntimeWarning, match="NaN/Inf"):
         stats = _run(params, opts, 2, 1, first_step=2, nan_step=2)
-    assert all(s["skipped"] and s["step"] == 2 for s in stats[0])
+    assert all(s["skipped_steps"] == 1 and s["steps"] == 3 for s in stats[0])
     assert all(torch.equal(a, b) for a, b in zip(params[0], before))
     # the skipped step changed no state: what follows is what would have followed without it
     _run(params, opts, 2, 2, first_step=3)
@@ -401,7 +400,7 @@ def test_step_with_closure_and_warmup_scheduler():
     # first step of one worker: z = sign(g) exactly, so u = sign(g) and x1 = x0 - lr0 sign(g)
     for p, x0 in zip(model.parameters(), start):
         assert torch.equal(p.detach(), x0 - 0.05 * torch.sign(p.grad))
-    assert optimizer.stats["path"] == "flat" and optimizer.stats["inter_node_bytes"] == 0
+    assert optimizer.route == "world:sum" and optimizer.stats.last_step.inter_node_bytes == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,7 +445,7 @@ def test_sparse_gradient_is_refused():
 
 def test_parameter_count_mismatch_fails_on_every_worker():
     opts = [Birder([torch.nn.Parameter(torch.zeros(n))], lr=0.1) for n in (3, 4)]
-    exchanges = [o.step_exchange(Topology(r, 2, 2)) for r, o in enumerate(opts)]
+    exchanges = [o.step_exchange(Placement(r, 2, 2)) for r, o in enumerate(opts)]
     requests = [next(e) for e in exchanges]
     reduced = torch.stack([t for _, t in requests]).amax(dim=0)
     for e in exchanges:
@@ -462,7 +461,7 @@ def test_hierarchical_needs_nodes_covering_the_workers():
     with pytest.raises(ValueError, match="hierarchical=False"):
         next(opt.step_exchange(Subset()))
     flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
-    assert next(flat.step_exchange(Subset()))[0] == "max"
+    assert next(flat.step_exchange(Subset()))[0] is Op.MAX
 
 
 def test_wrapping_in_horovod_distributed_optimizer_is_refused():

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from hvdcomp.birder import Birder, choose_inter_node, simulate_step
+from hvdcomp.exchange.cost import choose_inter_node
+from hvdcomp.integrations.birder import Birder, simulate_step
 from tests.harness import run_function
 
 SHAPES = [(40, 25), (7,), (3, 3)]  # params[2]'s gradient is always zero
@@ -42,7 +43,7 @@ def _worker(inter_node, mpi_local_size=None):
 
     import horovod.torch as hvd
 
-    from hvdcomp.transport import MPITransport
+    from hvdcomp import MPITransport
 
     transport = MPITransport(local_size=mpi_local_size) if mpi_local_size else None
     params = _params()
@@ -55,7 +56,8 @@ def _worker(inter_node, mpi_local_size=None):
                 checkpoint = ([p.detach().clone() for p in params], optimizer.state_dict())
             _set_grads(params, hvd.rank(), step)
             optimizer.step()
-            stats.append(dict(optimizer.stats))
+            stats.append({**optimizer.stats.last_step.as_dict(), "skipped_steps": optimizer.stats.skipped_steps,
+                          "route": optimizer.route})
         resumed = [torch.nn.Parameter(t.clone()) for t in checkpoint[0]]
         again = Birder(resumed, inter_node=inter_node, transport=transport, **{**OPTIONS, "lr": 1.0})
         again.load_state_dict(checkpoint[1])
@@ -110,18 +112,20 @@ def _check(results, world_size, local_size, inter_node):
         assert any("NaN/Inf" in w for w in r["warnings"])
 
         for step, s in enumerate(r["stats"]):
-            assert s["skipped"] == (step == NAN_STEP) and s["elements"] == numel
+            skipped = step == NAN_STEP
+            assert s["skipped_steps"] == int(step >= NAN_STEP)
+            assert s["uncompressed_bytes"] == (0 if skipped else 4 * numel)
             assert s["control_bytes"] == 32 + (8 * math.ceil(numel / _lanes(world_size)) if step == 0 else 0)
-            if s["skipped"]:
+            if skipped:
                 assert s["inter_node_bytes"] == s["intra_node_bytes"] == 0
                 continue
             if num_nodes == 1:  # flat: one lane sum, bit_length(W) bits per element
-                assert s["path"] == "flat" and s["intra_node_bytes"] == 0
+                assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
                 assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(world_size))
                 continue
             chunk = math.ceil(numel / local_size)
             variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
-            assert s["path"] == "hierarchical" and s["inter_node"] == variant
+            assert s["route"] == f"hierarchical:{variant}"
             inter = math.ceil(chunk / 8) if variant == "allgather" else 8 * math.ceil(chunk / _lanes(num_nodes))
             assert s["inter_node_bytes"] == inter
             assert s["intra_node_bytes"] == 8 * math.ceil(numel / _lanes(local_size)) + 8 * math.ceil(
@@ -132,15 +136,16 @@ def _check(results, world_size, local_size, inter_node):
 def test_flat_gloo_np2():
     results = run_function(_worker, np=2, kwargs={"inter_node": "auto"}, timeout=120)
     s = _check(results, 2, 2, "auto")
-    assert s["inter_node_bytes"] * 8 / s["elements"] == pytest.approx(64 / 31, rel=0.01)  # ~2.06 bits/element
+    bits_per_element = 32 * s["inter_node_bytes"] / s["uncompressed_bytes"]
+    assert bits_per_element == pytest.approx(64 / 31, rel=0.01)  # ~2.06
 
 
 def test_hierarchical_gloo_two_nodes():
     results = run_function(_worker, np=4, hosts="localhost:2,127.0.0.1:2", kwargs={"inter_node": "auto"},
                            init_kwargs={"process_sets": "dynamic"}, timeout=180)
     s = _check(results, 4, 2, "auto")
-    assert s["inter_node"] == "allgather"
-    assert s["inter_node_bytes"] * 8 / s["elements"] == pytest.approx(0.5, rel=0.01)  # 1 bit/element per node
+    assert s["route"] == "hierarchical:allgather"
+    assert 32 * s["inter_node_bytes"] / s["uncompressed_bytes"] == pytest.approx(0.5, rel=0.01)  # 1 bit per node
 
 
 @pytest.mark.mpi
@@ -150,4 +155,4 @@ def test_hierarchical_mpi_lane_sum():
                            timeout=180)
     s = _check(results, 4, 2, "sum")
     # 2-bit lanes (31 per 64-bit word) for half the elements: ~1.03 bits/element, plus the last word's padding
-    assert s["inter_node_bytes"] * 8 / s["elements"] == pytest.approx(64 / 31 / 2, rel=0.05)
+    assert s["inter_node_bytes"] * 8 / (s["uncompressed_bytes"] / 4) == pytest.approx(64 / 31 / 2, rel=0.05)

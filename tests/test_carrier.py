@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hvdcomp import carrier
-from hvdcomp.packing import LaneLayout
+from hvdcomp.codec import carrier
+from hvdcomp.codec.packing import LaneLayout
 
 
 def _reduce(carriers, op, predivide=1.0):

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from hvdcomp import carrier
-from hvdcomp.protocol import simulate_schemes
-from hvdcomp.selection import stable_seed
+from hvdcomp.codec import carrier
+from hvdcomp.exchange.elementwise import simulate_max_norm
 from tests.harness import run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
@@ -52,7 +51,8 @@ def _exchange_worker(ops):
                     else:
                         reduced = hvd.allreduce(payload, op=hvd.Sum if op == "sum" else hvd.Average)
                     results[(name, op, step, index)] = compressor.decompress(reduced, ctx)
-            results[(name, op, "ratio")] = compressor.compression_ratio
+            results[(name, op, "ratio")] = compressor.stats.total.compression_ratio
+            results[(name, op, "steps")] = compressor.stats.steps
     # low-precision gradients come back in their dtype
     for dtype in (torch.float16, torch.bfloat16):
         compressor = _make("qsgd8")
@@ -70,14 +70,12 @@ def _coarse_levels(name):
 def _simulated(name, world_size, step_grads):
     """The workers' exchanges replayed in one process, in the same order, with the workers' rounding
     generators and per-worker memories: the mean of the ranks' dequantized values."""
-    schemes = [_make(name).scheme for _ in range(world_size)]
-    generators = [torch.Generator().manual_seed(stable_seed(0, "rounding", rank)) for rank in range(world_size)]
+    codecs = [_make(name).codec for _ in range(world_size)]
     expected = {}
     for step, per_rank in enumerate(step_grads):
         for index in range(len(per_rank[0])):
             grads = [per_rank[rank][index].reshape(-1).float() for rank in range(world_size)]
-            outputs = simulate_schemes(schemes, grads, key=index, step=step, word_bits=carrier.word_bits(world_size),
-                               generators=generators)
+            outputs = simulate_max_norm(codecs, grads, key=index, step=step, word_bits=carrier.word_bits(world_size))
             expected[(step, index)] = outputs[0].view(per_rank[0][index].shape)
     return expected
 
@@ -90,7 +88,7 @@ def test_exchange_is_exact_identical_and_matches_one_process_simulation():
     for name in COMPRESSORS:
         expected = _simulated(name, world_size, step_grads)
         for op in ops:
-            assert results[0][(name, op, "ratio")] > 1
+            assert results[0][(name, op, "ratio")] > 1 and results[0][(name, op, "steps")] == 2
             for (step, index), mean in expected.items():
                 want = mean * world_size if op == "sum" else mean
                 got = [results[rank][(name, op, step, index)] for rank in range(world_size)]

@@ -14,8 +14,7 @@ def _codec(name):
     import horovod.torch as hvd
 
     import hvdcomp
-    from hvdcomp.codecs import FP16
-    from hvdcomp.powersgd import PowerSGD
+    from hvdcomp import FP16, PowerSGD
 
     return {
         "none": lambda: None,
@@ -66,7 +65,7 @@ def _train(make_optimizer, steps, state=None, first_step=0):
 
 
 def _ours(name, **kwargs):
-    from hvdcomp.optimizer import DistributedOptimizer
+    from hvdcomp import DistributedOptimizer
 
     def make(model):
         sgd = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
@@ -157,8 +156,7 @@ def _one_step_means_worker(names, launcher_mpi):
     """The averaged gradient of one step, flat and hierarchical, per scheme, plus the exact mean."""
     import horovod.torch as hvd
 
-    from hvdcomp.optimizer import DistributedOptimizer
-    from hvdcomp.transport import MPITransport
+    from hvdcomp import DistributedOptimizer, MPITransport
 
     transport = MPITransport(local_size=2) if launcher_mpi else None
     out = {}
@@ -226,8 +224,7 @@ def _misuse_worker():
 
     import horovod.torch as hvd
 
-    from hvdcomp import Birder
-    from hvdcomp.optimizer import DistributedOptimizer
+    from hvdcomp import Birder, DistributedOptimizer
 
     errors = {}
 

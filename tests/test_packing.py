@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvdcomp import carrier
-from hvdcomp.packing import INT64_WORD_BITS, LaneLayout
+from hvdcomp.codec import carrier
+from hvdcomp.codec.packing import INT64_WORD_BITS, LaneLayout
 
 FLOAT64_WORD_BITS = carrier.word_bits(1)  # the float carrier's widest words
 

@@ -1,12 +1,13 @@
-"""One-process tests of the PowerSGD bucket codec (``hvdcomp.powersgd``), driven by ``simulate``."""
+"""One-process tests of the PowerSGD bucket codec (``hvdcomp.exchange.powersgd``), driven by ``simulate``."""
 
 import io
 
 import pytest
 import torch
 
-from hvdcomp.powersgd import PowerSGD
-from hvdcomp.protocol import simulate
+from hvdcomp.exchange.powersgd import PowerSGD
+from hvdcomp.exchange.protocol import Op
+from hvdcomp.exchange.simulator import simulate
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,7 +71,7 @@ def test_full_rank_gives_exact_mean(shape):
         grads = _grads(world_size, [shape, (5,)], seed=step)
         log = []
         outputs = _run(codecs, grads, step, log=log)
-        assert [op for op, _, _ in log] == ["sum", "sum"]  # it was compressed
+        assert [op for op, _, _ in log] == [Op.SUM, Op.SUM]  # it was compressed
         _assert_same_on_all_workers(outputs)
         for result, mean in zip(outputs[0], _mean(grads)):
             assert result.shape == mean.shape
@@ -165,21 +166,21 @@ def test_rounds_and_sizes():
         log = []
         _run(codecs, _grads(world_size, shapes, seed=step), step, log=log)
         if step < start_iter:
-            assert log == [("sum", sum(torch.Size(s).numel() for s in shapes), torch.float32)]
+            assert log == [(Op.SUM, sum(torch.Size(s).numel() for s in shapes), torch.float32)]
             assert codecs[0].state_dict()["buckets"] == {}  # no state touched before start_iter
         else:
             assert log == [
-                ("sum", uncompressed_numel + sum(n * 2 for n, _ in compressed), torch.float32),
-                ("sum", sum(m * 2 for _, m in compressed), torch.float32),
+                (Op.SUM, uncompressed_numel + sum(n * 2 for n, _ in compressed), torch.float32),
+                (Op.SUM, sum(m * 2 for _, m in compressed), torch.float32),
             ]
     # a rate exactly at min_compression_rate compresses: 4 x 4 at rank 1 has rate 16 / 8 = 2
     log = []
     _run([PowerSGD() for _ in range(world_size)], _grads(world_size, [(4, 4)]), log=log)
-    assert log == [("sum", 4, torch.float32), ("sum", 4, torch.float32)]
+    assert log == [(Op.SUM, 4, torch.float32), (Op.SUM, 4, torch.float32)]
     # nothing to compress: one round, also after start_iter
     log = []
     _run([PowerSGD() for _ in range(world_size)], _grads(world_size, [(5,), (3, 3)]), step=7, log=log)
-    assert log == [("sum", 14, torch.float32)]
+    assert log == [(Op.SUM, 14, torch.float32)]
 
 
 def test_q_is_shared_and_independent_of_the_global_rng():

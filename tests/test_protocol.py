@@ -3,19 +3,21 @@
 import pytest
 import torch
 
-from hvdcomp.protocol import MaxNormScheme, simulate, simulate_schemes
-from hvdcomp.quantize import MaxNormQuantizer
-from hvdcomp.selection import RandomCoordinateSelector
+from hvdcomp.codec.quantize import MaxNormQuantizer
+from hvdcomp.codec.selection import RandomCoordinateSelector
+from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
+from hvdcomp.exchange.protocol import Op
+from hvdcomp.exchange.simulator import simulate
 
 TILES = 8000  # draws per element: 16 elements x 8000 tiles = 128k draws per scheme
 
 
-def _workers(scheme_factory, world_size):
-    return [scheme_factory() for _ in range(world_size)]
-
-
-def _gens(world_size, seed=0):
-    return [torch.Generator().manual_seed(seed * 1000 + rank) for rank in range(world_size)]
+def _workers(codec_factory, world_size):
+    """One codec per worker, bound to its rank."""
+    codecs = [codec_factory() for _ in range(world_size)]
+    for rank, codec in enumerate(codecs):
+        codec.bind_rank(rank)
+    return codecs
 
 
 def _grads_on_half_levels(world_size, numel, levels, scale=1.0):
@@ -48,8 +50,8 @@ def test_unbiased_and_variance_within_bound(bits, chunk_size, word_bits):
         for g in grads:
             g[::3] *= quantizer.levels[0] / quantizer.levels[-1]
     tiled = [g.repeat(TILES) for g in grads]
-    schemes = _workers(lambda: MaxNormScheme(quantizer), world_size)
-    outputs = simulate_schemes(schemes, tiled, word_bits=word_bits, generators=_gens(world_size))
+    schemes = _workers(lambda: MaxNormCodec(quantizer), world_size)
+    outputs = simulate_max_norm(schemes, tiled, word_bits=word_bits)
     for out in outputs[1:]:
         assert torch.equal(out, outputs[0])  # every worker decodes the same mean
     true_mean = torch.stack(grads).mean(dim=0)
@@ -84,10 +86,10 @@ def test_sparse_rescaled_is_unbiased():
     tiled = [g.repeat(tiles) for g in grads]
 
     def scheme():
-        return MaxNormScheme(MaxNormQuantizer((4,)), RandomCoordinateSelector(ratio=0.25, seed=7), error_feedback=False)
+        return MaxNormCodec(MaxNormQuantizer((4,)), RandomCoordinateSelector(ratio=0.25, seed=7), error_feedback=False)
 
     schemes = _workers(scheme, world_size)
-    steps = [simulate_schemes(schemes, tiled, key="w", step=t, generators=_gens(world_size, t))[0] for t in range(8)]
+    steps = [simulate_max_norm(schemes, tiled, key="w", step=t)[0] for t in range(8)]
     outputs = torch.stack(steps).view(-1, numel)
     errors = (outputs - torch.stack(grads).mean(dim=0)).double()
     assert _bias_z_scores(errors).max() < 4.5
@@ -99,13 +101,13 @@ def test_sparse_error_feedback_loses_nothing_and_replicas_agree():
     world_size, numel, steps = 3, 50, 12
     gen = torch.Generator().manual_seed(5)
     schemes = _workers(
-        lambda: MaxNormScheme(MaxNormQuantizer((16,)), RandomCoordinateSelector(k=7, seed=3)), world_size
+        lambda: MaxNormCodec(MaxNormQuantizer((16,)), RandomCoordinateSelector(k=7, seed=3)), world_size
     )
     applied = torch.zeros(numel)
     given = torch.zeros(numel)
     for step in range(steps):
         grads = [torch.randn(numel, generator=gen) for _ in range(world_size)]
-        outputs = simulate_schemes(schemes, grads, key="layer", step=step, generators=_gens(world_size, step))
+        outputs = simulate_max_norm(schemes, grads, key="layer", step=step)
         for out in outputs[1:]:
             assert torch.equal(out, outputs[0])
         assert int((outputs[0] != 0).sum()) <= 7
@@ -131,12 +133,12 @@ def test_coordinate_sets_shared_and_cover_everything():
 
 
 def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
-    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((4,)), RandomCoordinateSelector(k=2)), 2)
-    simulate_schemes(schemes, [torch.ones(4), torch.ones(4)], key="p", step=0)
+    schemes = _workers(lambda: MaxNormCodec(MaxNormQuantizer((4,)), RandomCoordinateSelector(k=2)), 2)
+    simulate_max_norm(schemes, [torch.ones(4), torch.ones(4)], key="p", step=0)
     before = [s.memory.residual("p", torch.ones(4)).clone() for s in schemes]
     with pytest.warns(RuntimeWarning, match="NaN/Inf"):
         grads = [torch.tensor([1.0, float("inf"), 2.0, 3.0]), torch.ones(4)]
-        outputs = simulate_schemes(schemes, grads, key="p", step=1)
+        outputs = simulate_max_norm(schemes, grads, key="p", step=1)
     for out in outputs:
         assert torch.isnan(out).all()
     for scheme, old in zip(schemes, before):
@@ -146,15 +148,15 @@ def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
 @pytest.mark.parametrize("numel", [0, 1])
 def test_empty_and_single_element(numel):
     for bits in [(4,), (2, 6)]:
-        schemes = _workers(lambda bits=bits: MaxNormScheme(MaxNormQuantizer(bits)), 2)
-        outputs = simulate_schemes(schemes, [torch.full((numel,), 0.5), torch.full((numel,), -0.5)])
+        schemes = _workers(lambda bits=bits: MaxNormCodec(MaxNormQuantizer(bits)), 2)
+        outputs = simulate_max_norm(schemes, [torch.full((numel,), 0.5), torch.full((numel,), -0.5)])
         assert outputs[0].shape == (numel,)
         assert torch.equal(outputs[0], torch.zeros(numel))
 
 
 def test_all_zero_gradient_decodes_to_zero():
-    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((8,), chunk_size=3)), 2)
-    assert torch.equal(simulate_schemes(schemes, [torch.zeros(10), torch.zeros(10)])[0], torch.zeros(10))
+    schemes = _workers(lambda: MaxNormCodec(MaxNormQuantizer((8,), chunk_size=3)), 2)
+    assert torch.equal(simulate_max_norm(schemes, [torch.zeros(10), torch.zeros(10)])[0], torch.zeros(10))
 
 
 @pytest.mark.parametrize("bad", [(0,), (17,), (True,), (4, 4), (8, 4), (), (2.5,)])
@@ -192,18 +194,17 @@ def test_segments_get_their_own_scale():
     to its own resolution, where one shared scale would round it to zero."""
     big, small = torch.full((5,), 100.0), torch.full((5,), 0.01)
     flat = torch.cat([big, small])
-    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((2,))), 2)
-    gens = _gens(2)
-    per_tensor = simulate([s.exchange(flat, 0, 0, 2, generator=g, segments=[5, 5]) for s, g in zip(schemes, gens)])
+    schemes = _workers(lambda: MaxNormCodec(MaxNormQuantizer((2,))), 2)
+    per_tensor = simulate([s.exchange(flat, [5, 5], 0, 0, 2) for s in schemes])
     assert torch.allclose(per_tensor[0], flat)
-    one_scale = simulate([s.exchange(flat, 0, 0, 2, generator=g) for s, g in zip(schemes, gens)])
+    one_scale = simulate([s.exchange(flat, [10], 0, 0, 2) for s in schemes])
     assert not torch.allclose(one_scale[0][5:], flat[5:])  # one scale of 100 cannot resolve 0.01
 
 
 def test_sparse_segments_count_the_selected_elements():
     flat = torch.cat([torch.full((50,), 100.0), torch.full((50,), 0.01)])
-    schemes = _workers(lambda: MaxNormScheme(MaxNormQuantizer((2,)), RandomCoordinateSelector(ratio=0.5)), 2)
-    out = simulate([s.exchange(flat, 0, 0, 2, segments=[50, 50]) for s in schemes])[0]
+    schemes = _workers(lambda: MaxNormCodec(MaxNormQuantizer((2,)), RandomCoordinateSelector(ratio=0.5)), 2)
+    out = simulate([s.exchange(flat, [50, 50], 0, 0, 2) for s in schemes])[0]
     sent = out != 0
     assert torch.allclose(out[sent], flat[sent])  # exact at each tensor's own scale
 
@@ -213,11 +214,11 @@ def test_simulate_group_collectives():
 
     def worker(rank):
         x = torch.tensor([float(rank)])
-        local = yield "local_sum", x
-        cross = yield "cross_sum", x
-        gathered = yield "cross_allgather", x
-        node = yield "local_allgather", x
-        top = yield "max", x
+        local = yield Op.LOCAL_SUM, x
+        cross = yield Op.CROSS_SUM, x
+        gathered = yield Op.CROSS_ALLGATHER, x
+        node = yield Op.LOCAL_ALLGATHER, x
+        top = yield Op.MAX, x
         return local.item(), cross.item(), gathered.tolist(), node.tolist(), top.item()
 
     results = simulate([worker(r) for r in range(4)], local_size=2)

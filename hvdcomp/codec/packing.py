@@ -1,4 +1,6 @@
-"""Summable bit-packed lanes.
+"""Bit packing: summable lanes (``LaneLayout``) and plain bit planes (``bits_to_bytes``).
+
+**Summable lanes.**
 
 Each of W workers holds small integers ``v`` (one per element) in ``[-offset, span - offset]``.
 They are stored offset-binary (``v + offset`` in ``[0, span]``) in lanes of
@@ -10,6 +12,9 @@ the exact sums of ``v`` over the workers.
 
 ``word_bits`` is 63 for int64 words summed as integers (the sign bit stays clear, so no partial sum
 overflows) and fewer for words carried as float64 values (see ``carrier.word_bits``).
+
+**Bit planes.** ``bits_to_bytes`` packs 0/1 values 8 per uint8 byte (least significant bit first) for
+collectives that concatenate rather than sum (all-gathers); ``bytes_to_bits`` undoes it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 INT64_WORD_BITS = 63
 WORD_STORAGE_BITS = 64
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -110,3 +116,29 @@ class LaneLayout:
         mask = (1 << self.lane_width) - 1
         lanes = word_sums.unsqueeze(1).bitwise_right_shift(self._shifts(word_sums.device)).bitwise_and_(mask)
         return lanes.view(-1)[:numel].sub_(self.offset * self.world_size)
+
+
+def as_uint8(bits: torch.Tensor) -> torch.Tensor:
+    """A bool tensor viewed as uint8 0/1 (no copy); other dtypes unchanged."""
+    return bits.view(torch.uint8) if bits.dtype == torch.bool else bits
+
+
+def bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """1-D bool (or 0/1 integer) ``[n]`` -> uint8 ``[ceil(n / 8)]``, least significant bit first."""
+    numel = bits.numel()
+    nbytes = -(-numel // 8)
+    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=bits.device)
+    padded[:numel] = bits.reshape(-1)
+    shifts = _BIT_SHIFTS.to(bits.device)
+    return padded.view(nbytes, 8).bitwise_left_shift_(shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def bytes_to_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of ``bits_to_bytes`` along the last dimension: uint8 ``[..., nbytes]`` -> bool ``[..., numel]``."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"bytes_to_bits expects uint8, got {packed.dtype}")
+    if packed.shape[-1] * 8 < numel:
+        raise ValueError(f"{packed.shape[-1]} bytes cannot hold {numel} bits")
+    shifts = _BIT_SHIFTS.to(packed.device)
+    bits = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
+    return bits.flatten(-2)[..., :numel].bool()

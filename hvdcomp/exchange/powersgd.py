@@ -1,7 +1,8 @@
 """PowerSGD (Vogels et al., 2019): low-rank gradient compression as a bucket codec.
 
-``PowerSGD.exchange`` is a protocol (see ``protocol``) for one bucket — a list of gradients of any
-shapes and float dtypes on one device — that returns each gradient's mean over the workers,
+``PowerSGD`` is a ``TensorCodec`` (see ``bucket``): its exchange (see ``protocol``) takes one
+bucket — a list of gradients of any shapes and float dtypes on one device — and returns each
+gradient's mean over the workers,
 identical on every worker, in its shape and dtype. Each tensor is viewed as a matrix
 ``n x m`` (``n = shape[0]``, ``m = numel / n``); 0-d/1-d tensors and matrices whose compression rate
 ``n * m / ((n + m) * r)`` is below ``min_compression_rate`` (``r = min(rank, n, m)``) are averaged
@@ -14,9 +15,9 @@ step of subspace (power) iteration:
 3. the result is ``P Q^T``; ``memory <- M - P Q_local^T`` with this worker's own ``Q_local`` (before
    round 2), as in the paper's reference code (epfml/powersgd).
 
-Both rounds are ``"sum"`` requests of flat float32 buffers (float64 if the bucket holds a float64
+Both rounds are ``Op.SUM`` requests of flat float32 buffers (float64 if the bucket holds a float64
 tensor), so exactly ``numel(uncompressed) + sum(n * r)`` and ``sum(m * r)`` floats travel. Before
-step ``start_iter`` (and for buckets where nothing is compressed) a single ``"sum"`` round carries
+step ``start_iter`` (and for buckets where nothing is compressed) a single ``Op.SUM`` round carries
 everything uncompressed and the state is left alone.
 
 Differences from PyTorch's ``powerSGD_hook`` (which this mirrors):
@@ -53,18 +54,19 @@ Differences from PyTorch's ``powerSGD_hook`` (which this mirrors):
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
-from collections.abc import Generator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .selection import stable_seed
-
-BucketExchange = Generator[tuple[str, torch.Tensor], torch.Tensor, list[torch.Tensor]]
+from ..codec.lowrank import flatten_into, orthogonalize, split_views, unflatten_like
+from ..codec.seeding import stable_seed
+from ..codec.validate import check_bool, check_int, check_real
+from .bucket import TensorCodec
+from .protocol import Exchange, Op
 
 # Options that shape the stored state; ``load_state_dict`` refuses a state saved with other values.
 _STATE_OPTIONS = ("rank", "min_compression_rate", "error_feedback", "warm_start", "orthogonalization_epsilon", "seed")
@@ -95,47 +97,7 @@ class _BucketState:
     qs: list[torch.Tensor | None]  # per group, [B, m, r], orthonormal columns (warm start)
 
 
-def _orthogonalize(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Orthonormalize the columns of each ``[k, r]`` matrix of a ``[B, k, r]`` batch in place.
-
-    Modified Gram-Schmidt, vectorised over the batch and, for the projections, over columns: column
-    ``i`` is divided by ``norm + epsilon`` and then projected out of all later columns at once. With
-    ``r > 1`` a second pass (``epsilon`` 0) restores the orthogonality that one pass loses on
-    ill-conditioned inputs ("twice is enough"). With ``epsilon == 0`` a zero column stays zero
-    instead of becoming NaN.
-    """
-    num_cols = matrices.shape[2]
-    for eps in (epsilon, 0.0) if num_cols > 1 else (epsilon,):
-        for i in range(num_cols):
-            col = matrices[:, :, i : i + 1]
-            norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-            norm = norm + eps if eps else torch.where(norm > 0, norm, torch.ones_like(norm))
-            col.div_(norm)
-            if i + 1 < num_cols:
-                rest = matrices[:, :, i + 1 :]
-                rest.sub_(col * (col * rest).sum(dim=1, keepdim=True))
-    return matrices
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-class PowerSGD:
+class PowerSGD(TensorCodec):
     """PowerSGD bucket codec with its per-bucket state (error-feedback memories, warm-start ``Q``s).
 
     Every worker runs its own instance, configured alike. Options mirror torch's ``PowerSGDState``:
@@ -152,8 +114,6 @@ class PowerSGD:
         seed: shared seed of the random ``Q``s; every worker must pass the same value.
     """
 
-    flat = False  # a tensor codec: takes and returns the list of a bucket's gradients (see ``codecs``)
-
     def __init__(
         self,
         rank: int = 1,
@@ -164,12 +124,12 @@ class PowerSGD:
         orthogonalization_epsilon: float = 0.0,
         seed: int = 0,
     ) -> None:
-        self.rank = _check_int("rank", rank, 1)
-        self.start_iter = _check_int("start_iter", start_iter, 0)
-        self.min_compression_rate = _check_real("min_compression_rate", min_compression_rate)
-        self.error_feedback = _check_bool("error_feedback", error_feedback)
-        self.warm_start = _check_bool("warm_start", warm_start)
-        self.orthogonalization_epsilon = _check_real("orthogonalization_epsilon", orthogonalization_epsilon)
+        self.rank = check_int("rank", rank, 1)
+        self.start_iter = check_int("start_iter", start_iter, 0)
+        self.min_compression_rate = check_real("min_compression_rate", min_compression_rate)
+        self.error_feedback = check_bool("error_feedback", error_feedback)
+        self.warm_start = check_bool("warm_start", warm_start)
+        self.orthogonalization_epsilon = check_real("orthogonalization_epsilon", orthogonalization_epsilon)
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.seed = int(seed)
@@ -228,11 +188,11 @@ class PowerSGD:
             parts = (self.seed, key, index) if step is None else (self.seed, key, index, step)
             generator = torch.Generator().manual_seed(stable_seed(*parts))
             draws.append(torch.randn(group.m, group.rank, generator=generator, dtype=dtype))
-        return _orthogonalize(torch.stack(draws).to(device), self.orthogonalization_epsilon)
+        return orthogonalize(torch.stack(draws).to(device), self.orthogonalization_epsilon)
 
     # ------------------------------------------------------------------ the protocol
 
-    def exchange(self, grads: Sequence[torch.Tensor], key: object, step: int, world_size: int) -> BucketExchange:
+    def exchange(self, grads: Sequence[torch.Tensor], key: Hashable, step: int, world_size: int) -> Exchange:
         """Protocol for one bucket; returns the list of mean gradients (same shapes and dtypes).
 
         ``grads``: this worker's gradients (float tensors of any shapes, one device); every worker
@@ -240,10 +200,10 @@ class PowerSGD:
         and seeds ``Q``; it needs a ``repr`` that is the same in every process (int, str, tuple).
         ``step`` is the training step (``start_iter``; cold-start ``Q`` seeds).
 
-        Requests: once compressing, ``"sum"`` of ``[uncompressed values..., P...]`` then ``"sum"`` of
+        Requests: once compressing, ``Op.SUM`` of ``[uncompressed values..., P...]`` then ``"sum"`` of
         ``[Q...]`` (flat, float32, or float64 for a bucket with a float64 tensor; tensors in bucket
         order, ``P``/``Q`` grouped by matrix shape in order of first appearance, each ``[B, n, r]`` /
-        ``[B, m, r]`` row-major). Before ``start_iter``, or if nothing is compressed, a single ``"sum"``
+        ``[B, m, r]`` row-major). Before ``start_iter``, or if nothing is compressed, a single ``Op.SUM``
         of every tensor flattened in bucket order. An empty bucket communicates nothing and returns ``[]``.
         """
         grads = list(grads)
@@ -254,21 +214,21 @@ class PowerSGD:
         device = grads[0].device if grads else torch.device("cpu")
         if any(g.device != device for g in grads):
             raise ValueError("all tensors of a bucket must be on one device")
-        _check_int("world_size", world_size, 1)
-        _check_int("step", step, 0)
+        check_int("world_size", world_size, 1)
+        check_int("step", step, 0)
         return self._exchange(grads, key, step, world_size, device)
 
     def _exchange(
         self, grads: list[torch.Tensor], key: object, step: int, world_size: int, device: torch.device
-    ) -> BucketExchange:
+    ) -> Exchange:
         if not grads:  # e.g. a shard that owns no tensor: nothing to communicate
             return []
         plan = self._plan(grads)
         dtype = plan.dtype
         if step < self.start_iter or not plan.groups:
-            flat = _pack(grads, dtype, device)
-            reduced = yield "sum", flat
-            return _unpack(reduced.div_(world_size), grads)
+            flat = flatten_into(grads, dtype, device)
+            reduced = yield Op.SUM, flat
+            return unflatten_like(reduced.div_(world_size), grads)
 
         state = self._state(key, plan, device)
         eps = self.orthogonalization_epsilon
@@ -279,9 +239,9 @@ class PowerSGD:
 
         # Round 1: uncompressed values and P = M Q.
         send = torch.empty(u_numel + sum(p_sizes), dtype=dtype, device=device)
-        _pack(uncompressed, dtype, device, out=send[:u_numel])
+        flatten_into(uncompressed, dtype, device, out=send[:u_numel])
         matrices = []
-        for gi, (group, p_view) in enumerate(zip(plan.groups, _split(send[u_numel:], p_sizes))):
+        for gi, (group, p_view) in enumerate(zip(plan.groups, split_views(send[u_numel:], p_sizes))):
             batch = torch.empty(len(group.indices), group.n, group.m, dtype=dtype, device=device)
             for j, index in enumerate(group.indices):
                 batch[j].copy_(grads[index].reshape(group.n, group.m))
@@ -292,27 +252,27 @@ class PowerSGD:
             if q is None:
                 q = self._draw_q(key, group, None if self.warm_start else step, dtype, device)
             torch.bmm(batch, q, out=p_view.view(-1, group.n, group.rank))
-        reduced = yield "sum", send
+        reduced = yield Op.SUM, send
         reduced.div_(world_size)
         finite = torch.isfinite(reduced).all()
         results: list[torch.Tensor | None] = [None] * len(grads)
-        for index, mean in zip(plan.uncompressed, _unpack(reduced[:u_numel], uncompressed)):
+        for index, mean in zip(plan.uncompressed, unflatten_like(reduced[:u_numel], uncompressed)):
             results[index] = mean
-        p_views = _split(reduced[u_numel:], p_sizes)
-        ps = [_orthogonalize(p.view(-1, g.n, g.rank), eps) for g, p in zip(plan.groups, p_views)]
+        p_views = split_views(reduced[u_numel:], p_sizes)
+        ps = [orthogonalize(p.view(-1, g.n, g.rank), eps) for g, p in zip(plan.groups, p_views)]
 
         # Round 2: Q = M^T P; the memory keeps what this worker's own approximation P Q^T misses.
         send = torch.empty(sum(q_sizes), dtype=dtype, device=device)
-        for group, batch, p, q_view in zip(plan.groups, matrices, ps, _split(send, q_sizes)):
+        for group, batch, p, q_view in zip(plan.groups, matrices, ps, split_views(send, q_sizes)):
             q_local = q_view.view(-1, group.m, group.rank)
             torch.bmm(batch.transpose(1, 2), p, out=q_local)
             if self.error_feedback:
                 batch.baddbmm_(p, q_local.transpose(1, 2), alpha=-1)
-        reduced = yield "sum", send
+        reduced = yield Op.SUM, send
         reduced.div_(world_size)
         finite &= torch.isfinite(reduced).all()
 
-        qs = [q.view(-1, g.m, g.rank) for g, q in zip(plan.groups, _split(reduced, q_sizes))]
+        qs = [q.view(-1, g.m, g.rank) for g, q in zip(plan.groups, split_views(reduced, q_sizes))]
         for group, p, q in zip(plan.groups, ps, qs):
             approx = torch.bmm(p, q.transpose(1, 2))
             ok = torch.isfinite(p).flatten(1).all(1) & torch.isfinite(q).flatten(1).all(1)
@@ -323,7 +283,7 @@ class PowerSGD:
         dead = []
         if self.warm_start:  # next step's Q: orthonormalized now; all-zero columns are redrawn below
             for q in qs:
-                _orthogonalize(q, eps)
+                orthogonalize(q, eps)
                 dead.append((q.abs().amax(dim=1) == 0).flatten())
         flags = torch.cat([(~finite).view(1)] + dead).tolist()  # the one host sync of a step
         if flags[0]:
@@ -343,7 +303,7 @@ class PowerSGD:
                 if any(flags[offset : offset + count]):
                     mask = torch.tensor(flags[offset : offset + count], device=device).view(q.shape[0], q.shape[2])
                     fresh = self._draw_q(key, group, step, dtype, device)
-                    q.copy_(_orthogonalize(torch.where(mask.unsqueeze(1), fresh, q), eps))
+                    q.copy_(orthogonalize(torch.where(mask.unsqueeze(1), fresh, q), eps))
                 offset += count
                 if state.qs[gi] is None:
                     state.qs[gi] = q.clone()
@@ -387,27 +347,3 @@ class PowerSGD:
             )
         self._buckets = buckets
 
-
-def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    """Consecutive views of ``flat`` of the given sizes."""
-    views, offset = [], 0
-    for size in sizes:
-        views.append(flat[offset : offset + size])
-        offset += size
-    return views
-
-
-def _pack(
-    tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The tensors flattened and concatenated in ``dtype``."""
-    if out is None:
-        out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-    for tensor, view in zip(tensors, _split(out, [t.numel() for t in tensors])):
-        view.copy_(tensor.reshape(-1))
-    return out
-
-
-def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` cut into tensors shaped and typed like ``like`` (views where the dtype already matches)."""
-    return [view.view(t.shape).to(t.dtype) for t, view in zip(like, _split(flat, [t.numel() for t in like]))]

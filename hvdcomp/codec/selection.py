@@ -9,15 +9,10 @@ The global RNGs are never touched.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from ``repr`` of the parts, the same in every process (unlike ``hash``)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+from .seeding import stable_seed
+from .validate import check_int, check_real
 
 
 class RandomCoordinateSelector:
@@ -32,12 +27,8 @@ class RandomCoordinateSelector:
     def __init__(self, k: int | None = None, ratio: float | None = None, seed: int = 0) -> None:
         if (k is None) == (ratio is None):
             raise ValueError("give exactly one of k and ratio")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
-            raise ValueError(f"k must be a positive integer, got {k!r}")
-        if ratio is not None and not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-        self.k = k
-        self.ratio = ratio
+        self.k = None if k is None else check_int("k", k, 1)
+        self.ratio = None if ratio is None else check_real("ratio", ratio, 0.0, 1.0, low_open=True, high_open=False)
         self.seed = seed
         self._cycles: dict[object, tuple[int, int, torch.Tensor]] = {}
 

@@ -10,12 +10,12 @@ scales) per bucket and move their packed levels as one int64 SUM; results are de
 (``op=hvd.Average``) or the sum (``op=hvd.Sum``).
 
 With ``hierarchical=True`` the bucket is summed at full precision inside each node and only the
-compressed shards cross nodes (see ``hierarchy``); ``transport`` may be an ``MPITransport`` (mpi4py)
+compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``transport`` may be an ``MPITransport`` (mpi4py)
 instead of Horovod. Horovod's own ``HOROVOD_HIERARCHICAL_ALLREDUCE`` affects only NCCL builds; it is
 passed through untouched and a warning says when it cannot take effect.
 
-``optimizer.stats`` holds bytes (intra-node, inter-node, uncompressed) and seconds (compress,
-communicate, decompress), per step and cumulative. ``state_dict()`` carries the codec's state.
+``optimizer.stats`` (``hvdcomp.exchange.stats.Statistics``) holds bytes and seconds per step and in
+total. ``state_dict()`` carries the codec's state.
 """
 
 from __future__ import annotations
@@ -31,51 +31,15 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from .codecs import bucket_codec
-from .hierarchy import hierarchical_flat, hierarchical_tensors
-from .protocol import Exchange
-from .transport import HorovodTransport, Transport
+from ..codec.validate import check_int, check_real
+from ..exchange.bucket import ElementwiseCodec
+from ..exchange.hierarchy import hierarchical_elementwise, hierarchical_tensors
+from ..exchange.protocol import Exchange, Op, Scope, Transport
+from ..exchange.stats import Statistics
+from ..transport.horovod import HorovodTransport
+from .compressors import bucket_codec
 
 DEFAULT_BUCKET_MB = 25.0
-
-
-@dataclass
-class WireStats:
-    """Bytes this worker contributed to collectives, and where its time went."""
-
-    intra_node_bytes: int = 0
-    inter_node_bytes: int = 0
-    uncompressed_bytes: int = 0
-    compress_s: float = 0.0
-    communicate_s: float = 0.0
-    decompress_s: float = 0.0
-
-    @property
-    def sent_bytes(self) -> int:
-        return self.intra_node_bytes + self.inter_node_bytes
-
-    @property
-    def compression_ratio(self) -> float:
-        """Uncompressed bytes over bytes that crossed between nodes (all bytes on a flat exchange)."""
-        return self.uncompressed_bytes / self.inter_node_bytes if self.inter_node_bytes else float("nan")
-
-    def add(self, other: WireStats) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def as_dict(self) -> dict[str, float]:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out.update(sent_bytes=self.sent_bytes, compression_ratio=self.compression_ratio)
-        return out
-
-
-@dataclass
-class Statistics:
-    """``last_step`` and ``total`` (since construction) ``WireStats``; ``steps`` exchanged."""
-
-    last_step: WireStats = field(default_factory=WireStats)
-    total: WireStats = field(default_factory=WireStats)
-    steps: int = 0
 
 
 @dataclass(eq=False)
@@ -87,7 +51,7 @@ class _Bucket:
     ready: int = 0
     exchange: Exchange | None = None
     handle: Any = None
-    rounds: dict[str, int] = field(default_factory=dict)  # collectives started per scope this step
+    rounds: dict[Scope, int] = field(default_factory=dict)  # collectives started per scope this step
 
     @property
     def sizes(self) -> list[int]:
@@ -134,19 +98,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         all_params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._names = _check_named_parameters(named_parameters, all_params)
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        check_int("backward_passes_per_step", backward_passes_per_step, 1)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvdcomp.DistributedOptimizer supports op=hvd.Average and op=hvd.Sum")
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor is not supported: hvdcomp codecs average after decoding, "
                              "so there is no low-precision sum to protect from overflow")
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        check_real("bucket_size_mb", bucket_size_mb, low_open=True)
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         if transport is None and not process_set.included():
             raise ValueError("this rank is not in the process set given to DistributedOptimizer")
         self._codec = bucket_codec(compression)
+        self._codec.bind_rank(self._transport.rank)
         self._passes = backward_passes_per_step
         self._average = op == hvd.Average
         self._hierarchical = hierarchical
@@ -204,14 +167,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _bucket_exchange(self, bucket: _Bucket) -> Exchange:
         t = self._transport
         key, step = f"bucket{bucket.index}", self._exchange_step
-        if self._codec.flat:
+        if isinstance(self._codec, ElementwiseCodec):
             for p, piece in zip(bucket.params, bucket.flat.split(bucket.sizes)):
                 piece.copy_(p.grad.reshape(-1)) if p.grad is not None else piece.zero_()
             if self._hierarchical:
                 def shard(x: torch.Tensor, segments: list[int], shard_key: object, size: int) -> Exchange:
                     return self._codec.exchange(x, segments, shard_key, step, size)
 
-                return hierarchical_flat(shard, bucket.flat, bucket.sizes, key, t.local_size, t.local_rank,
+                return hierarchical_elementwise(shard, bucket.flat, bucket.sizes, key, t.local_size, t.local_rank,
                                          t.cross_size)
             return self._codec.exchange(bucket.flat, bucket.sizes, key, step, t.size)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
@@ -224,7 +187,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: _Bucket) -> None:
         if self._fresh_step:
-            self.stats.last_step = WireStats()
+            self.stats.begin_step()
             self._fresh_step = False
         started = time.perf_counter()
         bucket.exchange = self._bucket_exchange(bucket)
@@ -234,19 +197,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._start(bucket, op, tensor)
         self._inflight.append(bucket)
 
-    def _start(self, bucket: _Bucket, op: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if op.startswith("local_"):
-            self.stats.last_step.intra_node_bytes += nbytes
-        else:
-            self.stats.last_step.inter_node_bytes += nbytes
+    def _start(self, bucket: _Bucket, op: Op, tensor: torch.Tensor) -> None:
+        self.stats.last_step.count(op, tensor, self._transport)
         started = time.perf_counter()
         # Name by scope: workers of one node (or one cross-node group) run the same sequence of their
         # scope's collectives, even where a shard leaves one worker fewer rounds of another scope.
-        scope = op.split("_")[0] if op.startswith(("local_", "cross_")) else "world"
-        count = bucket.rounds.get(scope, 0)
-        bucket.rounds[scope] = count + 1
-        bucket.handle = self._transport.start(op, tensor, f"hvdcomp.bucket{bucket.index}.{scope}{count}.{op}")
+        count = bucket.rounds.get(op.scope, 0)
+        bucket.rounds[op.scope] = count + 1
+        name = f"hvdcomp.bucket{bucket.index}.{op.scope.value}{count}.{op.name.lower()}"
+        bucket.handle = self._transport.start(op, tensor, name)
         self.stats.last_step.communicate_s += time.perf_counter() - started
 
     def _advance(self, bucket: _Bucket) -> bool:
@@ -299,8 +258,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket.ready = 0
         for p in self._counts:
             self._counts[p] = 0
-        self.stats.total.add(self.stats.last_step)
-        self.stats.steps += 1
+        self.stats.end_step()
         self._exchange_step += 1
         self._synchronized = True
         self._fresh_step = True

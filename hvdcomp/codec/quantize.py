@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from .packing import INT64_WORD_BITS, LaneLayout
+from .validate import check_int
 
 MIN_BITS = 1
 MAX_BITS = 16
@@ -31,7 +32,7 @@ def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
     if not bits:
         raise ValueError("bits must name at least one resolution")
     for b in bits:
-        if isinstance(b, bool) or not isinstance(b, int) or not MIN_BITS <= b <= MAX_BITS:
+        if check_int("bits", b, MIN_BITS) > MAX_BITS:
             raise ValueError(f"bits must be integers in [{MIN_BITS}, {MAX_BITS}], got {b!r}")
     if any(lo >= hi for lo, hi in zip(bits, bits[1:])):
         raise ValueError(f"multi-scale bits must be strictly increasing, got {bits}")
@@ -53,10 +54,7 @@ class MaxNormQuantizer:
 
     def __init__(self, bits: Sequence[int], chunk_size: int | None = None) -> None:
         self.bits = _validate_bits(bits)
-        valid_chunk = isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1
-        if chunk_size is not None and not valid_chunk:
-            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-        self.chunk_size = chunk_size
+        self.chunk_size = None if chunk_size is None else check_int("chunk_size", chunk_size, 1)
         self.levels = tuple(2**b - 1 for b in self.bits)
 
     @property

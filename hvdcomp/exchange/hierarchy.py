@@ -1,45 +1,42 @@
-"""Hierarchical exchanges: full precision inside a node, the codec's compressed payload only between nodes.
+"""Hierarchical routing: full precision inside a node, the codec's compressed payload only between nodes.
 
-Both wrappers first sum the bucket over the node's workers (``"local_sum"``, float32 on the fast
+Both routes first sum the bucket over the node's workers (``Op.LOCAL_SUM``, float32 on the fast
 intra-node links) and take the node mean. Each local rank then owns a shard and runs the codec on it
-with the workers of the same local rank on the other nodes (its flat collectives become
-``"cross_*"`` ones, ``world_size`` = number of nodes), so every local rank carries 1/local_size of the
-bucket across nodes. A ``"local_allgather"`` of the shards gives every worker the full mean.
+with the workers of the same local rank on the other nodes (its ``WORLD`` collectives become
+``CROSS`` ones, ``world_size`` = number of nodes), so every local rank carries 1/local_size of the
+bucket across nodes. An ``Op.LOCAL_ALLGATHER`` of the shards gives every worker the full mean.
 Nodes must have equal numbers of workers, so the mean of node means is the mean over all workers.
 
-- ``hierarchical_flat``: shards are equal slices of the flat vector (flat, element-wise codecs).
-- ``hierarchical_tensors``: shards are whole tensors, balanced by size (tensor codecs, e.g. PowerSGD).
+- ``hierarchical_elementwise``: shards are slices of the flat vector (``shard_bounds``).
+- ``hierarchical_tensors``: shards are whole tensors, balanced by size (e.g. PowerSGD).
+
+``shard_bounds`` is the one sharding rule of the project (Birder's 1-bit exchange uses it too):
+shards of ``ceil(numel / shards)`` elements, the last ones shorter or empty.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from .protocol import Exchange
-
-_CROSS = {"max": "cross_max", "sum": "cross_sum", "payload": "cross_sum"}
+from .protocol import Exchange, Op, relay
 
 
 def across_nodes(inner: Exchange) -> Exchange:
-    """Run ``inner`` (flat collectives only) among the workers sharing this local rank."""
-    try:
-        op, tensor = next(inner)
-        while True:
-            if op not in _CROSS:
-                raise ValueError(f"a codec inside a hierarchical exchange may not ask for {op!r}")
-            op, tensor = inner.send((yield _CROSS[op], tensor))
-    except StopIteration as done:
-        return done.value
+    """Run ``inner`` (``WORLD`` collectives only) among the workers sharing this local rank."""
+    return relay(inner, lambda op, tensor: (op.across_nodes(), tensor))
+
+
+def shard_length(numel: int, shards: int) -> int:
+    """Elements of the largest shard: ``ceil(numel / shards)``."""
+    return -(-numel // shards)
 
 
 def shard_bounds(numel: int, shards: int, index: int) -> tuple[int, int]:
-    """[lo, hi) of shard ``index`` of ``shards`` near-equal slices of ``numel`` elements."""
-    base, extra = divmod(numel, shards)
-    lo = index * base + min(index, extra)
-    return lo, lo + base + (index < extra)
+    """``[lo, hi)`` of shard ``index``: consecutive shards of ``shard_length`` elements, clipped to ``numel``."""
+    length = shard_length(numel, shards)
+    return min(index * length, numel), min((index + 1) * length, numel)
 
 
 def slice_segments(segments: Sequence[int], lo: int, hi: int) -> list[int]:
@@ -53,11 +50,11 @@ def slice_segments(segments: Sequence[int], lo: int, hi: int) -> list[int]:
     return out
 
 
-def hierarchical_flat(
-    codec_exchange: Callable[[torch.Tensor, list[int], Any, int], Exchange],
+def hierarchical_elementwise(
+    codec_exchange: Callable[[torch.Tensor, list[int], Hashable, int], Exchange],
     flat: torch.Tensor,
     segments: Sequence[int],
-    key: object,
+    key: Hashable,
     local_size: int,
     local_rank: int,
     cross_size: int,
@@ -66,12 +63,12 @@ def hierarchical_flat(
 
     ``codec_exchange(shard, shard_segments, shard_key, world_size)`` builds the codec's exchange.
     """
-    node_sum = yield "local_sum", flat
+    node_sum = yield Op.LOCAL_SUM, flat
     lo, hi = shard_bounds(flat.numel(), local_size, local_rank)
     shard = node_sum[lo:hi].div_(local_size)
     inner = codec_exchange(shard, slice_segments(segments, lo, hi), (key, local_rank), cross_size)
     shard_mean = yield from across_nodes(inner)
-    return (yield "local_allgather", shard_mean)
+    return (yield Op.LOCAL_ALLGATHER, shard_mean)
 
 
 def balanced_owners(sizes: Sequence[int], shards: int) -> list[int]:
@@ -86,9 +83,9 @@ def balanced_owners(sizes: Sequence[int], shards: int) -> list[int]:
 
 
 def hierarchical_tensors(
-    codec_exchange: Callable[[list[torch.Tensor], Any, int], Exchange],
+    codec_exchange: Callable[[list[torch.Tensor], Hashable, int], Exchange],
     grads: Sequence[torch.Tensor],
-    key: object,
+    key: Hashable,
     local_size: int,
     local_rank: int,
     cross_size: int,
@@ -98,13 +95,13 @@ def hierarchical_tensors(
     ``codec_exchange(tensors, shard_key, world_size)`` builds the codec's exchange over a list.
     """
     flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
-    node_sum = yield "local_sum", flat
+    node_sum = yield Op.LOCAL_SUM, flat
     node_mean = node_sum.div_(local_size).split([g.numel() for g in grads])
     owners = balanced_owners([g.numel() for g in grads], local_size)
     mine = [node_mean[i].view(grads[i].shape) for i in range(len(grads)) if owners[i] == local_rank]
     means = yield from across_nodes(codec_exchange(mine, (key, local_rank), cross_size))
     flat_mine = torch.cat([m.reshape(-1).float() for m in means]) if means else flat.new_zeros(0)
-    gathered = yield "local_allgather", flat_mine
+    gathered = yield Op.LOCAL_ALLGATHER, flat_mine
     # the gather is ordered by local rank; within a rank, by tensor index
     order = sorted(range(len(grads)), key=lambda i: (owners[i], i))
     pieces = gathered.split([grads[i].numel() for i in order])

@@ -1,12 +1,12 @@
-"""Horovod ``Compressor`` objects for the max-norm quantizer family.
+"""Horovod ``Compressor`` objects for the max-norm quantizer family, and ``bucket_codec``.
 
 Pass one to the stock optimizer, e.g.
 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=QSGDMaxNorm(8))``. For each gradient,
-``compress`` runs the shared-scale exchange (one blocking MAX all-reduce of a few floats; for the
-multi-scale variants also a blocking SUM of the packed agreement bits) and returns a float64 carrier
-of the packed levels (see ``carrier``), which Horovod then reduces with the optimizer's op (Sum or
-Average, predivide factor allowed). ``decompress`` returns what that op makes of the workers'
-dequantized gradients — their mean (Average) or sum (Sum) — identical on every worker, in the
+``compress`` runs the codec's exchange up to its payload over Horovod (one blocking MAX all-reduce of
+a few floats; for the multi-scale variants also a blocking SUM of the packed agreement bits) and
+returns a float64 carrier of the packed levels (``hvdcomp.codec.carrier``), which Horovod then reduces
+with the optimizer's op (Sum or Average, predivide factor allowed). ``decompress`` returns what that op
+makes of the workers' dequantized gradients (their mean or sum), identical on every worker, in the
 gradient's shape and dtype.
 
 Gradients are identified by their order within a step (a step ends when Horovod starts
@@ -24,13 +24,17 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.compression import Compressor
+from horovod.torch.compression import Compression, Compressor
 
-from . import carrier
-from .protocol import Exchange, MaxNormScheme
-from .quantize import MaxNormQuantizer
-from .selection import RandomCoordinateSelector, stable_seed
-from .transport import HorovodTransport
+from ..codec import carrier
+from ..codec.quantize import MaxNormQuantizer
+from ..codec.seeding import stable_seed
+from ..codec.selection import RandomCoordinateSelector
+from ..exchange.bucket import BucketCodec
+from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
+from ..exchange.protocol import Exchange, Op, drive, relay
+from ..exchange.stats import Statistics, Traffic, counted
+from ..transport.horovod import HorovodTransport
 
 
 @dataclass
@@ -39,7 +43,8 @@ class _Context:
     shape: torch.Size
     dtype: torch.dtype
     world_size: int
-    tag: int
+    traffic: Traffic
+    averaged: bool = False
 
 
 def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,98 +56,81 @@ def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MaxNormCompressor(Compressor):
-    """A ``MaxNormScheme`` as a Horovod compressor (see the module docstring).
+    """A ``MaxNormCodec`` as a Horovod compressor (see the module docstring).
 
     Args:
-        scheme: quantizer, optional shared coordinate selection, error-feedback memory.
-        seed: seeds the per-worker rounding generator (with the rank, so rounding stays independent
-            across workers) and is part of the configuration every worker must share.
+        codec: quantizer, optional shared coordinate selection, error-feedback memory, seed.
         process_set: the Horovod process set the optimizer reduces over (default: all workers).
 
-    ``wire_bytes`` / ``uncompressed_bytes`` count what this worker sent (scales, agreement bits,
-    carrier) and what the gradients would have taken uncompressed.
+    ``stats`` (``hvdcomp.exchange.stats.Statistics``) counts what this worker sent (scales, agreement
+    bits, carrier) and what the gradients would have taken uncompressed, per tensor as it is
+    decompressed; a step begins with its first gradient's ``compress``.
     """
 
-    def __init__(self, scheme: MaxNormScheme, seed: int = 0, process_set: hvd.ProcessSet | None = None) -> None:
-        self.scheme = scheme
-        self.seed = seed
+    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None) -> None:
+        self.codec = codec
         self.transport = HorovodTransport(process_set)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self.stats = Statistics()
         self._step = 0
         self._index_in_step = 0
         self._decompressed = False
-        self.wire_bytes = 0
-        self.uncompressed_bytes = 0
-
-    def rounding_generator(self, device: torch.device) -> torch.Generator:
-        """This worker's rounding generator on ``device``, seeded by (seed, rank): independent across workers."""
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(stable_seed(self.seed, "rounding", self.transport.rank))
-            self._generators[device] = generator
-        return generator
 
     def _next_key(self) -> tuple[int, int]:
         if self._decompressed:
             self._step += 1
             self._index_in_step = 0
             self._decompressed = False
+        if self._index_in_step == 0:
+            self.stats.begin_step()
+            self.stats.steps += 1
         key = (self._step, self._index_in_step)
         self._index_in_step += 1
         return key
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue exactly: memory, generators, step counters."""
-        memory = self.scheme.memory
-        return {
-            "memory": None if memory is None else memory.state_dict(),
-            "generators": {str(device): gen.get_state() for device, gen in self._generators.items()},
-            "step": self._step,
-            "index_in_step": self._index_in_step,
-            "decompressed": self._decompressed,
-        }
+        """Everything a resumed run needs to continue exactly: the codec's state and the step counters."""
+        return {"codec": self.codec.state_dict(), "step": self._step, "index_in_step": self._index_in_step,
+                "decompressed": self._decompressed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["memory"] is None) != (self.scheme.memory is None):
-            raise ValueError("the saved state and this compressor disagree on error feedback")
-        if self.scheme.memory is not None:
-            self.scheme.memory.load_state_dict(state["memory"])
-        for device, gen_state in state["generators"].items():
-            self.rounding_generator(torch.device(device)).set_state(gen_state)
+        self.codec.load_state_dict(state["codec"])
         self._step, self._index_in_step = state["step"], state["index_in_step"]
         self._decompressed = state["decompressed"]
-
-    @property
-    def compression_ratio(self) -> float:
-        """Uncompressed bytes over bytes this worker sent, since construction."""
-        return self.uncompressed_bytes / self.wire_bytes if self.wire_bytes else float("nan")
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
         flat = _flat_float(tensor)
         step, index = self._next_key()
-        world_size = self.transport.size
-        exchange = self.scheme.exchange(flat, index, step, world_size, carrier.word_bits(world_size),
-                                        self.rounding_generator(flat.device))
-        op, request = next(exchange)
-        while op != "payload":
-            self.wire_bytes += request.numel() * request.element_size()
-            op, request = exchange.send(self.transport.collective(op, request))
-        tag = carrier.to_tag(stable_seed(type(self).__name__, self.scheme.config(), self.seed, world_size,
+        transport = self.transport
+        world_size = transport.size
+        self.codec.bind_rank(transport.rank)
+        tag = carrier.to_tag(stable_seed(type(self).__name__, self.codec.config(), self.codec.seed, world_size,
                                          flat.numel(), step, index))
-        payload = carrier.wrap(request, world_size, tag)
-        self.wire_bytes += payload.numel() * payload.element_size()
-        self.uncompressed_bytes += tensor.numel() * tensor.element_size()
-        return payload, _Context(exchange, tensor.shape, tensor.dtype, world_size, tag)
+        traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
+        ctx = _Context(None, tensor.shape, tensor.dtype, world_size, traffic)
+
+        def wrap(op: Op, request: torch.Tensor) -> tuple[Op, torch.Tensor]:
+            return op, carrier.wrap(request, world_size, tag) if op is Op.PAYLOAD else request
+
+        def unwrap(op: Op, reduced: torch.Tensor) -> torch.Tensor:
+            if op is not Op.PAYLOAD:
+                return reduced
+            word_sums, ctx.averaged = carrier.unwrap(reduced, world_size, tag)
+            return word_sums
+
+        inner = self.codec.exchange(flat, [flat.numel()], index, step, world_size, carrier.word_bits(world_size))
+        ctx.exchange = counted(relay(inner, wrap, unwrap), traffic, transport)
+        payload = drive(ctx.exchange, transport, until=Op.PAYLOAD)
+        return payload, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: _Context) -> torch.Tensor:
         """The mean of the workers' dequantized gradients if Horovod averaged, their sum if it summed."""
         self._decompressed = True
-        word_sums, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag)
         try:
-            ctx.exchange.send(word_sums)
+            ctx.exchange.send(tensor)
         except StopIteration as done:
-            mean = done.value if averaged else done.value.mul_(ctx.world_size)
+            self.stats.last_step.add(ctx.traffic)
+            self.stats.total.add(ctx.traffic)
+            mean = done.value if ctx.averaged else done.value.mul_(ctx.world_size)
             return mean.view(ctx.shape).to(ctx.dtype)
         raise RuntimeError("the exchange protocol did not finish after its payload")
 
@@ -157,20 +145,20 @@ class QSGDMaxNorm(MaxNormCompressor):
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
                  process_set: hvd.ProcessSet | None = None) -> None:
-        super().__init__(MaxNormScheme(MaxNormQuantizer((bits,), chunk_size)), seed, process_set)
+        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set)
 
 
 class QSGDMaxNormMultiScale(MaxNormCompressor):
     """QSGD max-norm at several resolutions ``bits=(b_1 < b_2 < ...)``, sent in ``b_1``'s range.
 
     Per element, the finest resolution ``s_j`` with ``|g| / M * s_j <= s_1`` on *every* worker (agreed
-    through a SUM of packed 0/1 lanes, counted in ``wire_bytes``). Unbiased; variance per element at
-    most ``(M / s_j)**2 / 4`` for the agreed ``j``.
+    through a SUM of packed 0/1 lanes, counted in ``stats``). Unbiased; variance per element at most
+    ``(M / s_j)**2 / 4`` for the agreed ``j``.
     """
 
     def __init__(self, bits: Sequence[int] = (4, 8), chunk_size: int | None = None, seed: int = 0,
                  process_set: hvd.ProcessSet | None = None) -> None:
-        super().__init__(MaxNormScheme(MaxNormQuantizer(bits, chunk_size)), seed, process_set)
+        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set)
 
 
 class GlobalRandKMaxNorm(MaxNormCompressor):
@@ -186,7 +174,7 @@ class GlobalRandKMaxNorm(MaxNormCompressor):
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
                  process_set: hvd.ProcessSet | None = None) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
-        super().__init__(MaxNormScheme(MaxNormQuantizer((bits,), chunk_size), selector, error_feedback), seed,
+        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), selector, error_feedback, seed),
                          process_set)
 
 
@@ -197,5 +185,24 @@ class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
                  process_set: hvd.ProcessSet | None = None) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
-        super().__init__(MaxNormScheme(MaxNormQuantizer(bits, chunk_size), selector, error_feedback), seed,
+        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), selector, error_feedback, seed),
                          process_set)
+
+
+def bucket_codec(compression: Any) -> BucketCodec:
+    """The bucket codec for a ``compression=`` argument: ``None`` or Horovod's ``Compression.none`` ->
+    ``NoCompression``; ``Compression.fp16`` -> ``FP16``; an hvdcomp compressor -> its ``MaxNormCodec``
+    (packed levels moved as int64 SUM); a ``BucketCodec`` (``PowerSGD``, ``FP16(...)``, ...) as it is."""
+    if compression is None or compression is Compression.none:
+        return NoCompression()
+    if compression is Compression.fp16:
+        return FP16()
+    if isinstance(compression, MaxNormCompressor):
+        return compression.codec
+    if isinstance(compression, BucketCodec):
+        return compression
+    raise TypeError(
+        f"compression={compression!r} is not supported: use None, hvd.Compression.none, hvd.Compression.fp16, "
+        "an hvdcomp compressor (QSGDMaxNorm, ...), or a hvdcomp.exchange.BucketCodec (NoCompression, FP16, "
+        "PowerSGD, or your own)"
+    )

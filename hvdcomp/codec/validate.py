@@ -1,0 +1,35 @@
+"""Argument checks shared by every layer: one style, one message shape (``"<name> must be ..., got <value>"``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_real(name: str, value: object, low: float = 0.0, high: float = math.inf, *,
+               low_open: bool = False, high_open: bool = True) -> float:
+    """``value`` as a ``float`` if it is a finite real (not a bool) in the interval; else ``ValueError``.
+
+    The interval is ``[low, high)`` by default; ``low_open`` / ``high_open`` choose each end.
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``; else ``ValueError``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value

@@ -1,0 +1,41 @@
+"""The exchange layer: protocols of collective requests, built on ``hvdcomp.codec``'s math.
+
+- ``protocol``: typed ops (``Op``, ``Scope``, ``Reduction``), the ``Transport`` and ``Topology``
+  contracts, and ``drive``;
+- ``simulator``: W workers in one process (``simulate``);
+- ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``);
+- ``elementwise``: ``NoCompression``, ``FP16``, ``MaxNormCodec``; ``powersgd``: ``PowerSGD``;
+- ``hierarchy``: node-local full precision, compressed shards across nodes;
+- ``onebit``: Birder's 1-bit exchanges; ``cost``: their cost model;
+- ``stats``: the statistics type every entry point reports.
+
+Importable without Horovod or mpi4py; ``hvdcomp.transport`` carries the requests out.
+"""
+
+from .bucket import BucketCodec, ElementwiseCodec, TensorCodec
+from .elementwise import FP16, MaxNormCodec, NoCompression
+from .powersgd import PowerSGD
+from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive
+from .simulator import simulate
+from .stats import Statistics, Traffic
+
+__all__ = [
+    "FP16",
+    "BucketCodec",
+    "ElementwiseCodec",
+    "Exchange",
+    "MaxNormCodec",
+    "NoCompression",
+    "Op",
+    "Placement",
+    "PowerSGD",
+    "Reduction",
+    "Scope",
+    "Statistics",
+    "TensorCodec",
+    "Topology",
+    "Traffic",
+    "Transport",
+    "drive",
+    "simulate",
+]

@@ -1,0 +1,199 @@
+"""Element-wise bucket codecs: plain all-reduce, float16, and the max-norm quantizer family.
+
+Each is an ``ElementwiseCodec`` (see ``bucket``): one bucket's flat float32 vector in, its mean over
+the workers out. ``MaxNormCodec`` is the all-reduce-compatible scheme of the paper: every worker
+quantizes with the same scale and, optionally, the same random coordinates, so the levels are summed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..codec.memory import ErrorFeedback
+from ..codec.packing import INT64_WORD_BITS
+from ..codec.quantize import MaxNormQuantizer
+from ..codec.seeding import stable_seed
+from ..codec.selection import RandomCoordinateSelector
+from .bucket import ElementwiseCodec
+from .protocol import Exchange, Op
+from .simulator import simulate
+
+
+class NoCompression(ElementwiseCodec):
+    """Plain all-reduce of the float32 bucket (AllReduce-SGD): one ``Op.SUM`` of 32 bits per element."""
+
+    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
+                 world_size: int) -> Exchange:
+        total = yield Op.SUM, flat
+        return total.div_(world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class FP16(ElementwiseCodec):
+    """All-reduce in float16 (Horovod's fp16 compression): one ``Op.SUM`` of 16 bits per element.
+
+    With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
+    Values beyond float16's range become Inf, as with Horovod's own fp16 compression.
+    """
+
+    def __init__(self, error_feedback: bool = False) -> None:
+        self.memory = ErrorFeedback() if error_feedback else None
+
+    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
+                 world_size: int) -> Exchange:
+        if self.memory is None:
+            half = flat.half()
+        else:  # the residual buffer holds gradient + residual, then what rounding to float16 lost
+            residual = self.memory.residual(key, flat)
+            half = residual.add_(flat).half()
+            residual.sub_(half)
+        total = yield Op.SUM, half
+        return total.float().div_(world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.memory is None else self.memory.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.memory is not None:
+            self.memory.load_state_dict(state)
+
+
+class MaxNormCodec(ElementwiseCodec):
+    """Shared-scale quantization, optionally of shared random coordinates, with its state.
+
+    Requests: ``Op.MAX`` of the per-tensor (or per-chunk) scales and a NaN/Inf flag; for several
+    resolutions an ``Op.SUM`` of packed agreement bits; ``Op.PAYLOAD`` of the packed levels.
+
+    Args:
+        quantizer: the level math (resolutions, scale granularity).
+        selector: shared random coordinates to send each step, or ``None`` to send all.
+        error_feedback: with a selector, keep the coordinates not sent in a per-worker memory that is
+            added to the next gradient (default: nothing is lost, every replica applies the same
+            update). If ``False``, scale the sent mean by ``numel / k`` instead (unbiased).
+        seed: with the rank (``bind_rank``), seeds this worker's rounding generators, so rounding is
+            independent across workers; part of the configuration every worker must share.
+    """
+
+    def __init__(self, quantizer: MaxNormQuantizer, selector: RandomCoordinateSelector | None = None,
+                 error_feedback: bool = True, seed: int = 0) -> None:
+        self.quantizer = quantizer
+        self.selector = selector
+        self.memory = ErrorFeedback() if selector is not None and error_feedback else None
+        self.seed = seed
+        self.rank: int | None = None
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def bind_rank(self, rank: int) -> None:
+        if self.rank != rank:
+            self.rank = rank
+            self._generators.clear()
+
+    def rounding_generator(self, device: torch.device) -> torch.Generator:
+        """This worker's rounding generator on ``device``, seeded by (seed, rank)."""
+        if self.rank is None:
+            raise RuntimeError("MaxNormCodec: bind_rank(rank) must be called before the first exchange")
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(stable_seed(self.seed, "rounding", self.rank))
+            self._generators[device] = generator
+        return generator
+
+    def config(self) -> tuple:
+        """What every worker must share (part of the carrier tag)."""
+        selector = self.selector
+        selection = None if selector is None else (selector.k, selector.ratio, selector.seed)
+        return (self.quantizer.bits, self.quantizer.chunk_size, selection, self.memory is not None)
+
+    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
+                 word_bits: int = INT64_WORD_BITS) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; ``word_bits`` are the usable bits of a payload word
+        (fewer for float carriers). ``key`` also keys the error-feedback memory and coordinate sets. If
+        any worker's values hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory
+        is left unchanged."""
+        quantizer = self.quantizer
+        numel = flat.numel()
+        generator = self.rounding_generator(flat.device)
+        indices = None
+        values = flat
+        residual = None
+        if self.selector is not None and numel:
+            indices = self.selector.indices(numel, key, step, flat.device)
+            values = flat[indices]
+            if self.memory is not None:
+                residual = self.memory.residual(key, flat)
+                values += residual[indices]
+            ends = torch.tensor(list(segments), device=indices.device).cumsum(0)
+            segments = torch.bincount(torch.searchsorted(ends, indices, right=True), minlength=len(segments)).tolist()
+        groups = quantizer.scale_groups(values.numel(), segments)
+
+        stats = yield Op.MAX, quantizer.local_stats(values, groups, source=flat if indices is not None else None)
+        nonfinite = quantizer.saw_nonfinite(stats)
+        if nonfinite:
+            warnings.warn(
+                f"hvdcomp: a worker's gradient {key!r} holds NaN/Inf at step {step}; every worker gets NaN for it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        elif residual is not None:
+            residual.add_(flat)
+            residual[indices] = 0.0
+
+        agreed = None
+        if quantizer.multiscale:
+            counts = yield Op.SUM, quantizer.agreement_words(values, stats, groups, world_size)
+            agreed = quantizer.agreed_scales(counts, values.numel(), world_size)
+
+        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, generator)
+        mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
+        if indices is not None:
+            if self.memory is None:
+                mean.mul_(numel / indices.numel())
+            mean = torch.zeros(numel, dtype=torch.float32, device=flat.device).index_copy_(0, indices, mean)
+        if nonfinite:
+            mean.fill_(float("nan"))
+        return mean
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback memory and rounding generator states."""
+        return {
+            "memory": None if self.memory is None else self.memory.state_dict(),
+            "rank": self.rank,
+            "generators": {str(device): gen.get_state() for device, gen in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["memory"] is None) != (self.memory is None):
+            raise ValueError("the saved state and this codec disagree on error feedback")
+        if self.memory is not None:
+            self.memory.load_state_dict(state["memory"])
+        if state["rank"] is not None:
+            self.bind_rank(state["rank"])
+        for device, gen_state in state["generators"].items():
+            self.rounding_generator(torch.device(device)).set_state(gen_state)
+
+
+def simulate_max_norm(
+    codecs: Sequence[MaxNormCodec],
+    grads: Sequence[torch.Tensor],
+    key: Hashable = 0,
+    step: int = 0,
+    word_bits: int = INT64_WORD_BITS,
+) -> list[torch.Tensor]:
+    """One exchange of W = len(grads) flat gradients (one tensor each) in this process; ``codecs[i]``
+    is worker i's (bound to rank i), all configured alike. Returns each worker's result."""
+    if len(codecs) != len(grads):
+        raise ValueError("one codec per worker")
+    for rank, codec in enumerate(codecs):
+        codec.bind_rank(rank)
+    return simulate([codec.exchange(grad, [grad.numel()], key, step, len(grads), word_bits)
+                     for codec, grad in zip(codecs, grads)])

@@ -1,0 +1,93 @@
+"""1-bit exchanges of ±1 values (Birder's): an exact mean over all workers, and the Hierarchical-1-bit-All-Reduce.
+
+Values travel as bits (True for +1). N nodes of L workers each (see ``protocol.Placement``).
+
+**Over all workers** (``one_bit_mean``): the workers' bits are summed in ``LaneLayout(span=1,
+world_size=W)`` lanes (``bit_length(W)`` bits per element) through one ``Op.SUM``: the exact mean.
+
+**Hierarchical** (``hierarchical_one_bit_mean``):
+
+- intra-node: each worker's bits travel in summable lanes through one ``Op.LOCAL_SUM``: every worker
+  gets the exact node count ``c`` of +1s, i.e. the node mean ``2 c / L - 1`` at full precision;
+- chunks: local rank ``j`` owns shard ``j`` (``hierarchy.shard_bounds``, padded to ``shard_length``)
+  and re-binarizes only that shard of the node mean, unbiasedly (+1 with probability ``c / L``);
+- inter-node: 1 bit per element and node, either an ``Op.CROSS_ALLGATHER`` of the bits packed 8 per
+  byte or an ``Op.CROSS_SUM`` of ``bit_length(N)``-bit lanes, whichever sends fewer bytes under ring
+  collectives (``cost.choose_inter_node``; the all-gather wins for N <= 6 and N = 8);
+- an ``Op.LOCAL_ALLGATHER`` of the shards' node counts (``bit_length(N)``-bit lanes) gives every
+  worker the full ``u_bar = 2 count / N - 1``, bitwise identical on all ranks.
+
+``E[u_bar]`` is the mean over workers of each worker's ``E[u]``: given the draws, a node's
+re-binarized value has expectation the node's mean ``u``; nodes are of equal size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codec.onebit import binarize, bits_to_signs, mean_from_counts
+from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
+from .cost import INTER_NODE_VARIANTS, choose_inter_node
+from .hierarchy import shard_bounds, shard_length
+from .protocol import Exchange, Op
+
+
+def one_bit_mean(bits: torch.Tensor, world_size: int) -> Exchange:
+    """Exact mean (float32) of the workers' ±1 values (``bits``: True for +1), one ``Op.SUM`` of lanes."""
+    numel = bits.numel()
+    if world_size == 1 or numel == 0:
+        return bits_to_signs(bits)
+    layout = LaneLayout(span=1, world_size=world_size)
+    word_sums = yield Op.SUM, layout.pack(as_uint8(bits.reshape(-1)), validate=False)
+    return mean_from_counts(layout.unpack(word_sums, numel), world_size)
+
+
+def hierarchical_one_bit_mean(
+    bits: torch.Tensor,
+    generator: torch.Generator | None,
+    local_size: int,
+    local_rank: int,
+    num_nodes: int,
+    inter_node: str = "auto",
+) -> Exchange:
+    """Hierarchical-1-bit-All-Reduce of the workers' ±1 values (``bits``: 1-D bool, True for +1).
+
+    Returns float32 ``u_bar``, the same on every worker, unbiased for the mean of the workers' values.
+    With one node it is ``one_bit_mean`` (exact). ``generator`` draws this worker's re-binarization.
+    """
+    if inter_node not in INTER_NODE_VARIANTS:
+        raise ValueError(f"inter_node must be one of {INTER_NODE_VARIANTS}, got {inter_node!r}")
+    bits = bits.reshape(-1)
+    numel = bits.numel()
+    if num_nodes == 1 or numel == 0:
+        return (yield from one_bit_mean(bits, local_size))
+    chunk = shard_length(numel, local_size)
+    # 1. intra-node: exact count of +1s over the node's workers.
+    if local_size > 1:
+        local_layout = LaneLayout(span=1, world_size=local_size)
+        word_sums = yield Op.LOCAL_SUM, local_layout.pack(as_uint8(bits), validate=False)
+        node_counts = local_layout.unpack(word_sums, numel)
+    else:
+        node_counts = bits.to(torch.int64)
+    # 2. re-binarize this local rank's shard of the node mean: +1 with probability count / L.
+    lo, hi = shard_bounds(numel, local_size, local_rank)
+    prob = torch.zeros(chunk, dtype=torch.float32, device=bits.device)
+    prob[: hi - lo] = node_counts[lo:hi].to(torch.float32).div_(local_size)
+    node_bits = binarize(prob, generator)
+    # 3. inter-node: 1 bit per element and node.
+    variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
+    if variant == "allgather":
+        gathered = yield Op.CROSS_ALLGATHER, bits_to_bytes(node_bits)
+        counts = bytes_to_bits(gathered.view(num_nodes, -1), chunk).sum(dim=0, dtype=torch.int64)
+    else:
+        cross_layout = LaneLayout(span=1, world_size=num_nodes)
+        word_sums = yield Op.CROSS_SUM, cross_layout.pack(as_uint8(node_bits), validate=False)
+        counts = cross_layout.unpack(word_sums, chunk)
+    # 4. every worker gets every shard's counts.
+    if local_size > 1:
+        count_layout = LaneLayout(span=num_nodes, world_size=1)
+        words = yield Op.LOCAL_ALLGATHER, count_layout.pack(counts, validate=False)
+        per_chunk = count_layout.num_words(chunk) * count_layout.lanes_per_word
+        all_counts = count_layout.unpack(words, local_size * per_chunk).view(local_size, per_chunk)
+        counts = all_counts[:, :chunk].reshape(-1)
+    return mean_from_counts(counts[:numel], num_nodes)

@@ -1,0 +1,178 @@
+"""The exchange protocol: typed collective requests, the transport contract, and ``drive``.
+
+An *exchange* is a generator run identically on every worker: it yields ``(op, tensor)`` requests,
+receives each collective's result through ``send``, and returns its result (e.g. the averaged
+gradient). Any transport can carry it out: ``drive`` runs one to its end with blocking collectives,
+``hvdcomp.exchange.simulator.simulate`` runs W workers in lockstep in one process, and the
+optimizer overlaps several with backward through ``Transport.start`` / ``poll`` / ``wait``.
+
+An ``Op`` is a reduction (``SUM``, ``MAX``, ``ALLGATHER``: concatenation along dim 0, by rank) over
+a scope of workers:
+
+- ``Scope.WORLD``: every worker of the exchange (``Op.SUM``, ``Op.MAX``, and ``Op.PAYLOAD``: the
+  ``SUM`` of the packed words that carry the result, which a transport may move differently; the
+  stock-Horovod path wraps them in a float carrier);
+- ``Scope.NODE``: the workers of this node (``Op.LOCAL_SUM``, ``Op.LOCAL_MAX``, ``Op.LOCAL_ALLGATHER``);
+- ``Scope.CROSS``: the workers with this worker's local rank, one per node (``Op.CROSS_*``).
+
+Workers are laid out node by node: rank ``r`` is local rank ``r % local_size`` of node
+``r // local_size`` (as horovodrun places them; see ``Topology``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class Scope(Enum):
+    """Which workers a collective spans."""
+
+    WORLD = "world"
+    NODE = "node"
+    CROSS = "cross"
+
+
+class Reduction(Enum):
+    """What a collective computes over its workers' tensors."""
+
+    SUM = "sum"
+    MAX = "max"
+    ALLGATHER = "allgather"
+
+
+class Op(Enum):
+    """A collective request: a reduction over a scope (see the module docstring)."""
+
+    SUM = (Scope.WORLD, Reduction.SUM, False)
+    MAX = (Scope.WORLD, Reduction.MAX, False)
+    PAYLOAD = (Scope.WORLD, Reduction.SUM, True)
+    LOCAL_SUM = (Scope.NODE, Reduction.SUM, False)
+    LOCAL_MAX = (Scope.NODE, Reduction.MAX, False)
+    LOCAL_ALLGATHER = (Scope.NODE, Reduction.ALLGATHER, False)
+    CROSS_SUM = (Scope.CROSS, Reduction.SUM, False)
+    CROSS_MAX = (Scope.CROSS, Reduction.MAX, False)
+    CROSS_ALLGATHER = (Scope.CROSS, Reduction.ALLGATHER, False)
+
+    @property
+    def scope(self) -> Scope:
+        return self.value[0]
+
+    @property
+    def reduction(self) -> Reduction:
+        return self.value[1]
+
+    @property
+    def carries_payload(self) -> bool:
+        """True for ``PAYLOAD``: the words that carry the exchange's result."""
+        return self.value[2]
+
+    def across_nodes(self) -> Op:
+        """The same reduction among the workers sharing this local rank (``WORLD`` ops only)."""
+        if self.scope is not Scope.WORLD or self.reduction is Reduction.ALLGATHER:
+            raise ValueError(f"a codec inside a hierarchical exchange may not ask for {self}")
+        return Op.CROSS_MAX if self.reduction is Reduction.MAX else Op.CROSS_SUM
+
+
+Request = tuple[Op, torch.Tensor]
+Exchange = Generator[Request, torch.Tensor, Any]
+
+
+@runtime_checkable
+class Topology(Protocol):
+    """Where a worker sits among ``size`` workers in ``cross_size`` nodes of ``local_size`` each."""
+
+    size: int
+    rank: int
+    local_size: int
+    local_rank: int
+    cross_size: int
+    cross_rank: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A ``Topology`` from a rank: rank ``r`` is local rank ``r % local_size`` of node ``r // local_size``."""
+
+    rank: int
+    size: int
+    local_size: int
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_size
+
+    @property
+    def cross_size(self) -> int:
+        return self.size // self.local_size
+
+    @property
+    def cross_rank(self) -> int:
+        return self.rank // self.local_size
+
+
+def group_size(topology: Topology, scope: Scope) -> int:
+    """Number of workers that a collective of ``scope`` spans for this worker."""
+    if scope is Scope.NODE:
+        return topology.local_size
+    return topology.cross_size if scope is Scope.CROSS else topology.size
+
+
+@runtime_checkable
+class Transport(Topology, Protocol):
+    """Carries out the collectives that exchanges request (``hvdcomp.transport`` implements it).
+
+    ``start`` begins a collective and returns a handle; ``name`` must be the same on every worker
+    when several are in flight. ``poll`` says whether it has completed, ``wait`` returns its result
+    (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``.
+    """
+
+    def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any: ...
+
+    def poll(self, handle: Any) -> bool: ...
+
+    def wait(self, handle: Any) -> torch.Tensor: ...
+
+    def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def drive(exchange: Exchange, transport: Transport, until: Op | None = None) -> Any:
+    """Run ``exchange`` with ``transport``'s blocking collectives; return its result.
+
+    With ``until``, stop at the first request for that op and return its tensor instead: the exchange
+    then waits for that collective's result (``exchange.send(result)`` finishes it).
+    """
+    try:
+        op, tensor = next(exchange)
+        while op is not until:
+            op, tensor = exchange.send(transport.collective(op, tensor))
+    except StopIteration as done:
+        if until is not None:
+            raise RuntimeError(f"the exchange finished without requesting {until}") from None
+        return done.value
+    return tensor
+
+
+def single(op: Op, tensor: torch.Tensor) -> Exchange:
+    """An exchange of one request, returning its result."""
+    return (yield op, tensor)
+
+
+def relay(
+    exchange: Exchange,
+    on_request: Callable[[Op, torch.Tensor], Request],
+    on_result: Callable[[Op, torch.Tensor], torch.Tensor] | None = None,
+) -> Exchange:
+    """``exchange`` with each request passed through ``on_request(op, tensor) -> (op, tensor)`` and each
+    result through ``on_result(op, result) -> result`` (``op`` as the inner exchange asked); same result."""
+    try:
+        op, tensor = next(exchange)
+        while True:
+            result = yield on_request(op, tensor)
+            op, tensor = exchange.send(result if on_result is None else on_result(op, result))
+    except StopIteration as done:
+        return done.value

@@ -1,0 +1,65 @@
+"""The one-process simulator: W workers' exchanges driven in lockstep, bit-exactly like real collectives.
+
+Used by tests and benchmarks. Workers are laid out node by node (see ``protocol.Placement``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .protocol import Exchange, Op, Reduction, Scope
+
+
+def _group_of(op: Op, rank: int, local_size: int) -> int:
+    if op.scope is Scope.WORLD:
+        return 0
+    return rank // local_size if op.scope is Scope.NODE else rank % local_size
+
+
+def _reduce(op: Op, tensors: list[torch.Tensor]) -> torch.Tensor:
+    if op.reduction is Reduction.MAX:
+        return torch.stack(tensors).amax(dim=0)
+    if op.reduction is Reduction.ALLGATHER:
+        return torch.cat(tensors)
+    return torch.stack(tensors).sum(dim=0)
+
+
+def _advance(exchange: Exchange, result: torch.Tensor | None) -> object:
+    try:
+        return next(exchange) if result is None else exchange.send(result)
+    except StopIteration as done:
+        return done
+
+
+def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> list[object]:
+    """Drive one exchange per worker in lockstep; return each worker's result.
+
+    ``local_size`` workers per node (default: all on one node); it must divide the worker count.
+    Raises ``RuntimeError`` if the workers ask for different collectives or finish at different times.
+    """
+    world_size = len(exchanges)
+    local_size = local_size or world_size
+    if world_size % local_size:
+        raise ValueError(f"{world_size} workers do not fill nodes of {local_size}")
+    requests = [_advance(exchange, None) for exchange in exchanges]
+    while True:
+        if all(isinstance(r, StopIteration) for r in requests):
+            return [r.value for r in requests]
+        if any(isinstance(r, StopIteration) for r in requests):
+            raise RuntimeError("some workers finished their exchange while others still communicate")
+        ops = {op for op, _ in requests}
+        if len(ops) != 1:
+            raise RuntimeError(f"workers asked for different collectives: {sorted(op.name for op in ops)}")
+        op = ops.pop()
+        if not isinstance(op, Op):
+            raise TypeError(f"an exchange must request an Op, got {op!r}")
+        groups: dict[int, list[int]] = {}
+        for rank in range(world_size):
+            groups.setdefault(_group_of(op, rank, local_size), []).append(rank)
+        reduced = {}
+        for members in groups.values():
+            result = _reduce(op, [requests[rank][1] for rank in members])
+            reduced.update({rank: result for rank in members})
+        requests = [_advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]

@@ -1,0 +1,373 @@
+"""Birder: a 1-bit adaptive optimizer with a Hierarchical-1-bit-All-Reduce (NeurIPS 2023).
+
+Per worker, with one decay ``beta`` and flat float32 buffers over all parameters:
+
+1. ``m <- beta m + (1 - beta) g``, ``b <- beta b + (1 - beta) |g|``, so ``|m| <= b`` element-wise;
+2. ``z = m / b`` (0 where ``b == 0``); ``u = +1`` with probability ``(1 + z) / 2``, else ``-1`` (``E[u] = z``);
+3. ``u_bar`` = the mean of ``u`` over the workers, by a 1-bit exchange (``hvdcomp.exchange.onebit``):
+   hierarchical across multi-worker nodes, else the exact lane sum over all workers;
+4. ``x <- x - lr (u_bar + weight_decay x)`` (decoupled weight decay).
+
+There is no uncompressed warm-up; learning-rate warm-up works through the usual torch schedulers.
+The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, masking, state, stats.
+
+**Routes.** ``hierarchical=True`` with several nodes of several workers uses
+``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
+otherwise ``one_bit_mean`` sums the workers' bits in ``bit_length(W)``-bit lanes through ``Op.SUM``
+(with one node, or one worker per node, the node-local or cross-node collectives would need a Horovod
+process set equal to the global one, which Horovod refuses to add). ``route`` says which ran last:
+``"hierarchical:allgather"``, ``"hierarchical:sum"`` or ``"world:sum"``.
+
+**Masking.** An element is *active* once some worker has seen a non-zero gradient for it. The agreed
+``active`` mask (identical on every rank) costs nothing per step beyond a 4-value ``Op.MAX`` that
+every step makes anyway (flags: some gradient non-finite; some worker saw a first non-zero gradient;
+the parameter count, to catch mismatched models). Only when that flag is up do the workers sum their
+newly active bits (packed lanes). Inactive elements still travel but get ``u_bar = 0``, so a parameter
+whose gradient is always zero on every worker changes only through weight decay. ``b`` can underflow
+back to 0 after thousands of zero-gradient steps; such an element stays active with ``z = 0`` (a fair
+coin), which is still unbiased.
+
+**Non-finite gradients**: if any worker's gradient holds NaN/Inf, every worker skips the step (no
+state changes, no random draws), warns, and counts it in ``stats.skipped_steps``.
+
+**Randomness** comes from one ``torch.Generator`` per worker, seeded by ``stable_seed(seed, "birder",
+rank)``; the global RNGs are never touched.
+
+**Statistics**: ``stats`` is ``hvdcomp.exchange.stats.Statistics``, as for ``DistributedOptimizer``;
+the flags and activity masks count as ``control_bytes``. Per worker and step, for ``n`` elements,
+``c = ceil(n / L)`` and ``lanes(k) = floor(63 / bit_length(k))``: hierarchical, inter-node
+``ceil(c / 8)`` bytes (all-gather) or ``8 ceil(c / lanes(N))`` (sum); intra-node
+``8 ceil(n / lanes(L)) + 8 ceil(c / lanes(N))``; over all workers ``8 ceil(n / lanes(W))`` inter-node.
+
+``state_dict()`` holds ``m``, ``b``, the active mask, the step count and the generator state: each
+worker must save and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..codec.onebit import binarize, unbiased_direction
+from ..codec.packing import LaneLayout
+from ..codec.seeding import stable_seed
+from ..codec.validate import check_real
+from ..exchange.cost import INTER_NODE_VARIANTS, choose_inter_node
+from ..exchange.hierarchy import shard_length
+from ..exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
+from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
+from ..exchange.simulator import simulate
+from ..exchange.stats import Statistics, counted
+
+_HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
+
+
+@dataclass
+class _Layout:
+    params: list[torch.Tensor]
+    offsets: list[int]
+    group_bounds: list[tuple[int, int]]  # [lo, hi) of each param group in the flat buffer
+    group_members: list[list[tuple[torch.Tensor, int]]]  # (param, offset) of each group
+    numel: int
+    device: torch.device
+    key: tuple
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    check_real("Birder: lr", group["lr"], low_open=True)
+    check_real("Birder: beta", group["beta"], 0.0, 1.0, low_open=True)
+    check_real("Birder: weight_decay", group["weight_decay"])
+
+
+_WRAPPED_MESSAGE = (
+    "Birder exchanges 1-bit updates itself in step(); do not wrap it in hvd.DistributedOptimizer (which would "
+    "all-reduce full-precision gradients first). Use Birder(model.parameters(), lr=...) directly."
+)
+
+
+class Birder(torch.optim.Optimizer):
+    """Birder (see the module docstring): 1-bit adaptive updates, exchanged in ``step()``.
+
+    Args:
+        params: parameters or parameter groups (groups may set their own ``lr``, ``beta``,
+            ``weight_decay``); all on one device, floating point.
+        lr: learning rate (> 0).
+        beta: decay of both moments, in (0, 1).
+        weight_decay: decoupled weight decay ``lambda`` (>= 0): ``x <- x - lr (u_bar + lambda x)``.
+        hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs the transport's nodes to cover
+            all its workers; over Horovod, ``hvd.init(process_sets="dynamic")``). ``False``, a single
+            node, or one worker per node uses the exact 1-bit lane sum over all workers.
+        inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
+        transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
+            ``HorovodTransport(process_set)``, created at the first step.
+        process_set: Horovod process set of the default transport.
+        seed: with the rank, seeds this worker's generator.
+
+    A ``.grad`` of ``None`` counts as a zero gradient (every worker must hold the same parameters).
+    ``stats``: bytes and seconds of the last step and in total; ``route``: the last step's exchange.
+    ``step_exchange(topology)`` is the step as an exchange generator (for ``simulate``; see ``simulate_step``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        beta: float = 0.95,
+        weight_decay: float = 0.0,
+        hierarchical: bool = True,
+        inter_node: str = "auto",
+        transport: Any = None,
+        process_set: Any = None,
+        seed: int = 0,
+    ) -> None:
+        self._check_not_wrapped()
+        _check_hyperparameters({"lr": lr, "beta": beta, "weight_decay": weight_decay})
+        if inter_node not in INTER_NODE_VARIANTS:
+            raise ValueError(f"Birder: inter_node must be one of {INTER_NODE_VARIANTS}, got {inter_node!r}")
+        if transport is not None and process_set is not None:
+            raise ValueError("Birder: give a transport or a process_set, not both")
+        self._layout: _Layout | None = None
+        super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
+        self.hierarchical = bool(hierarchical)
+        self.inter_node = inter_node
+        self.seed = seed
+        self._transport = transport
+        self._process_set = process_set
+        self._generator: torch.Generator | None = None
+        self._generator_rank: int | None = None
+        self._warned_rank = False
+        self._step = 0
+        self.route = ""
+        self.stats = Statistics()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # hvd.DistributedOptimizer builds type(name, (Birder,), dict(_DistributedOptimizer.__dict__)).
+        super().__init_subclass__(**kwargs)
+        if any(name in cls.__dict__ for name in _HOROVOD_WRAPPER_METHODS):
+            raise TypeError(_WRAPPED_MESSAGE)
+
+    def _check_not_wrapped(self) -> None:
+        if any(hasattr(type(self), name) for name in _HOROVOD_WRAPPER_METHODS):
+            raise TypeError(_WRAPPED_MESSAGE)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_layout", None) is not None:
+            raise RuntimeError("Birder: add parameter groups before the first step (the flat buffers are fixed)")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_hyperparameters(group)
+            for p in group["params"]:
+                if not p.dtype.is_floating_point:
+                    raise TypeError(f"Birder: parameters must be floating point, got {p.dtype}")
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def _current_layout_key(self) -> tuple:
+        return tuple((id(p), p.numel()) for group in self.param_groups for p in group["params"])
+
+    def _ensure_buffers(self) -> _Layout:
+        key = self._current_layout_key()
+        if self._layout is not None:
+            if self._layout.key != key:
+                raise RuntimeError("Birder: the parameters changed after the first step")
+            return self._layout
+        params, offsets, bounds, members, offset = [], [], [], [], 0
+        for group in self.param_groups:
+            start = offset
+            members.append([])
+            for p in group["params"]:
+                params.append(p)
+                offsets.append(offset)
+                members[-1].append((p, offset))
+                offset += p.numel()
+            bounds.append((start, offset))
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"Birder: all parameters must be on one device, got {sorted(map(str, devices))}")
+        device = devices.pop() if devices else torch.device("cpu")
+        self._layout = _Layout(params, offsets, bounds, members, offset, device, key)
+        zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=device)  # noqa: E731
+        self._m, self._b, self._grad = zeros(torch.float32), zeros(torch.float32), zeros(torch.float32)
+        self._z, self._rand = zeros(torch.float32), zeros(torch.float32)
+        self._bits, self._active = zeros(torch.bool), zeros(torch.bool)
+        self._all_active = offset == 0
+        return self._layout
+
+    def _seed_generator(self, rank: int, device: torch.device) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(stable_seed(self.seed, "birder", rank))
+            self._generator_rank = rank
+        return self._generator
+
+    def _gather_grads(self, layout: _Layout) -> torch.Tensor:
+        flat = self._grad
+        for p, offset in zip(layout.params, layout.offsets):
+            part = flat[offset:offset + p.numel()]
+            grad = p.grad
+            if grad is None:
+                part.zero_()
+                continue
+            if grad.is_sparse or grad.layout != torch.strided:
+                raise TypeError("Birder does not support sparse gradients")
+            part.copy_(grad.detach().reshape(-1))
+        return flat
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> Transport:
+        """The transport (created at first use: ``HorovodTransport(process_set)``)."""
+        if self._transport is None:
+            from ..transport.horovod import HorovodTransport
+
+            self._transport = HorovodTransport(self._process_set)
+        return self._transport
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Birder step over the transport (every worker must call it); returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        drive(self.step_exchange(self.transport), self.transport)
+        return loss
+
+    def step_exchange(self, topology: Topology | None = None) -> Exchange:
+        """The step as an exchange generator; ``topology`` (a ``Placement`` or a transport) says where this
+        worker sits (default: the transport). Run it to its end on every worker."""
+        self._check_not_wrapped()
+        topo = topology if topology is not None else self.transport
+        size, local_size, cross_size = topo.size, topo.local_size, topo.cross_size
+        hierarchical = self.hierarchical and cross_size > 1 and local_size > 1
+        if hierarchical and local_size * cross_size != size:
+            raise ValueError(
+                f"Birder: hierarchical=True needs the nodes ({cross_size} x {local_size}) to hold all {size} "
+                "workers of the exchange (e.g. no smaller process set); pass hierarchical=False"
+            )
+        layout = self._ensure_buffers()
+        numel = layout.numel
+        generator = self._seed_generator(topo.rank, layout.device)
+        if self._generator_rank != topo.rank and not self._warned_rank:
+            self._warned_rank = True
+            warnings.warn(f"Birder: rank {topo.rank} runs with rank {self._generator_rank}'s generator state; "
+                          "each worker should load its own state dict", RuntimeWarning, stacklevel=3)
+        traffic = self.stats.begin_step()
+        grad = self._gather_grads(layout)
+
+        nonfinite = not bool(torch.isfinite(grad).all())
+        fresh = None if nonfinite or self._all_active else grad.ne(0).logical_and_(self._active.logical_not())
+        flags = torch.tensor([float(nonfinite), float(fresh is not None and bool(fresh.any())), numel, -numel],
+                             dtype=torch.float64)
+        flags = yield from counted(single(Op.MAX, flags), traffic, topo, control=True)
+        if int(flags[2]) != numel or int(-flags[3]) != numel:
+            raise RuntimeError(f"Birder: workers hold different parameter counts ({int(-flags[3])} to {int(flags[2])})")
+        if flags[0] > 0:
+            warnings.warn(f"Birder: a worker's gradient holds NaN/Inf at step {self._step}; every worker skips "
+                          "this step", RuntimeWarning, stacklevel=3)
+            self.stats.end_step(skipped=True)
+            return None
+        if flags[1] > 0:
+            fresh = fresh if fresh is not None else torch.zeros(numel, dtype=torch.bool, device=layout.device)
+            mask_layout = LaneLayout(span=1, world_size=size)
+            word_sums = yield from counted(
+                single(Op.SUM, mask_layout.pack(fresh.view(torch.uint8), validate=False)), traffic, topo, control=True)
+            self._active.logical_or_(mask_layout.unpack(word_sums, numel) > 0)
+            self._all_active = bool(self._active.all())
+        traffic.uncompressed_bytes += 4 * numel
+        yield from counted(self._update(layout, grad, generator, topo, hierarchical), traffic, topo)
+        self._step += 1
+        self.stats.end_step()
+        return None
+
+    def _update(self, layout: _Layout, grad: torch.Tensor, generator: torch.Generator, topo: Topology,
+                hierarchical: bool) -> Exchange:
+        """Moments, the 1-bit draw, its exchange, and the parameter update."""
+        m, b, z = self._m, self._b, self._z
+        for group, (lo, hi) in zip(self.param_groups, layout.group_bounds):
+            beta = group["beta"]
+            m[lo:hi].mul_(beta).add_(grad[lo:hi], alpha=1 - beta)
+            b[lo:hi].mul_(beta).add_(torch.abs(grad[lo:hi], out=z[lo:hi]), alpha=1 - beta)
+        unbiased_direction(m, b, out=z)
+        bits = binarize(z.add_(1).mul_(0.5), generator, rand_out=self._rand, out=self._bits)
+
+        if hierarchical:
+            chunk = shard_length(layout.numel, topo.local_size)
+            variant = choose_inter_node(topo.cross_size, chunk) if self.inter_node == "auto" else self.inter_node
+            self.route = f"hierarchical:{variant}"
+            mean = yield from hierarchical_one_bit_mean(bits, generator, topo.local_size, topo.local_rank,
+                                                        topo.cross_size, variant)
+        else:
+            self.route = "world:sum"
+            mean = yield from one_bit_mean(bits, topo.size)
+        if not self._all_active:
+            mean.masked_fill_(~self._active, 0.0)
+
+        with torch.no_grad():
+            for group, members in zip(self.param_groups, layout.group_members):
+                lr, decay = group["lr"], group["weight_decay"]
+                for p, offset in members:
+                    if decay:
+                        p.mul_(1 - lr * decay)
+                    p.add_(mean[offset:offset + p.numel()].view_as(p).to(p.dtype), alpha=-lr)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's state dict plus ``"birder"``: this worker's m, b, active mask, step and generator state."""
+        state = super().state_dict()
+        self._ensure_buffers()
+        state["birder"] = {
+            "numel": self._layout.numel,
+            "step": self._step,
+            "m": self._m.clone(),
+            "b": self._b.clone(),
+            "active": self._active.clone(),
+            "rank": self._generator_rank,
+            "generator": None if self._generator is None else self._generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        birder = state_dict.pop("birder", None)
+        if birder is None:
+            raise ValueError("Birder.load_state_dict: no 'birder' entry (not a Birder state dict)")
+        layout = self._ensure_buffers()
+        if birder["numel"] != layout.numel:
+            raise ValueError(f"Birder.load_state_dict: {birder['numel']} elements saved, {layout.numel} here")
+        super().load_state_dict(state_dict)
+        self._step = int(birder["step"])
+        self._m.copy_(birder["m"])
+        self._b.copy_(birder["b"])
+        self._active.copy_(birder["active"])
+        self._all_active = bool(self._active.all())
+        if birder["generator"] is None:
+            self._generator, self._generator_rank = None, None
+        else:
+            if self._generator_rank is not None and birder["rank"] != self._generator_rank:
+                warnings.warn(f"Birder: loading rank {birder['rank']}'s state on rank {self._generator_rank}; "
+                              "each worker should load its own", RuntimeWarning, stacklevel=2)
+            self._generator = torch.Generator(device=layout.device)
+            self._generator.set_state(birder["generator"])
+            self._generator_rank = birder["rank"]
+
+
+def simulate_step(optimizers: Sequence[Birder], local_size: int | None = None) -> list[object]:
+    """One ``Birder`` step of W = len(optimizers) workers in this process (``simulate``),
+    ``local_size`` workers per node (default: one node). ``optimizers[r]`` is rank r's."""
+    world_size = len(optimizers)
+    local_size = local_size or world_size
+    return simulate(
+        [opt.step_exchange(Placement(rank, world_size, local_size)) for rank, opt in enumerate(optimizers)],
+        local_size=local_size,
+    )

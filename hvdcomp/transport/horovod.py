@@ -1,0 +1,96 @@
+"""``HorovodTransport``: collectives over Horovod.
+
+``WORLD`` ops use a process set (default: all workers); ``NODE`` and ``CROSS`` ops use process sets
+of each node's ranks and of the ranks sharing a local rank, registered once on every rank (they need
+``hvd.init(process_sets="dynamic")`` and equal nodes). Implements
+``hvdcomp.exchange.protocol.Transport``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from ..exchange.protocol import Op, Reduction, Scope
+
+_HIERARCHY_SETS: dict[tuple[int, int], tuple[list[hvd.ProcessSet], list[hvd.ProcessSet]]] = {}
+
+
+def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
+    """This rank's (node, cross-node) Horovod process sets, registered once on every rank.
+
+    Needs ``hvd.init(process_sets="dynamic")`` (or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``) and the same
+    number of workers on every node.
+    """
+    if not hvd.is_initialized():
+        raise RuntimeError("call hvd.init(process_sets='dynamic') before using a hierarchical exchange")
+    key = (hvd.size(), hvd.local_size())
+    if key not in _HIERARCHY_SETS:
+        topology = hvd.allgather_object((hvd.rank(), hvd.local_rank(), hvd.cross_rank(), hvd.local_size()))
+        if len({t[3] for t in topology}) != 1:
+            raise RuntimeError("hierarchical exchanges need the same number of workers on every node")
+        nodes = sorted({t[2] for t in topology})
+        local_ranks = sorted({t[1] for t in topology})
+        def process_set(ranks: list[int]) -> hvd.ProcessSet:
+            # Horovod refuses to add a duplicate of the global set (one node, or one worker per node)
+            return hvd.global_process_set if len(ranks) == hvd.size() else hvd.add_process_set(ranks)
+
+        try:
+            node_sets = [process_set(sorted(t[0] for t in topology if t[2] == n)) for n in nodes]
+            cross_sets = [process_set(sorted(t[0] for t in topology if t[1] == j)) for j in local_ranks]
+        except ValueError as error:
+            raise RuntimeError(
+                "hierarchical exchanges over Horovod need dynamic process sets: "
+                "hvd.init(process_sets='dynamic') or HOROVOD_DYNAMIC_PROCESS_SETS=1"
+            ) from error
+        _HIERARCHY_SETS[key] = (node_sets, cross_sets)
+    node_sets, cross_sets = _HIERARCHY_SETS[key]
+    return node_sets[hvd.cross_rank()], cross_sets[hvd.local_rank()]
+
+
+class HorovodTransport:
+    """Collectives over Horovod. Flat ops use ``process_set`` (default: all workers); node-local and
+    cross-node ops use process sets built from ``local_rank`` / ``cross_rank`` (created on first use,
+    global process set only)."""
+
+    def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self._local: hvd.ProcessSet | None = None
+        self._cross: hvd.ProcessSet | None = None
+
+    size = property(lambda self: self.process_set.size())
+    rank = property(lambda self: self.process_set.rank())
+    local_size = property(lambda self: hvd.local_size())
+    local_rank = property(lambda self: hvd.local_rank())
+    cross_size = property(lambda self: hvd.cross_size())
+    cross_rank = property(lambda self: hvd.cross_rank())
+
+    def _group(self, op: Op) -> hvd.ProcessSet:
+        if op.scope is Scope.WORLD:
+            return self.process_set
+        if self.process_set is not hvd.global_process_set and self.process_set.size() != hvd.size():
+            raise ValueError("hierarchical exchanges run over all workers, not a smaller process set")
+        if self._local is None:
+            self._local, self._cross = _hierarchy_process_sets()
+        return self._local if op.scope is Scope.NODE else self._cross
+
+    def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any:
+        """Start a collective; ``name`` must be the same on every worker when several are in flight
+        (Horovod matches collectives across workers by name; unnamed ones by call order)."""
+        group = self._group(op)
+        if op.reduction is Reduction.ALLGATHER:
+            return hvd.allgather_async(tensor, name=name, process_set=group)
+        reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
+        return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
+
+    def poll(self, handle: Any) -> bool:
+        return hvd.poll(handle)
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        return hvd.synchronize(handle)
+
+    def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
+        return self.wait(self.start(op, tensor))
+
