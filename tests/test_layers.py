@@ -1,0 +1,188 @@
+"""The architecture as tests: layer purity, dependencies pointing downward, the declared contracts,
+one statistics type, and the public names."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp.exchange import (
+    FP16,
+    BucketCodec,
+    ElementwiseCodec,
+    MaxNormCodec,
+    NoCompression,
+    Op,
+    Placement,
+    PowerSGD,
+    Reduction,
+    Scope,
+    Statistics,
+    TensorCodec,
+    Traffic,
+    Transport,
+    drive,
+)
+from hvdcomp.exchange.stats import counted
+
+PACKAGE = Path(hvdcomp.__file__).parent
+LAYERS = ("codec", "exchange", "transport", "integrations")  # bottom to top
+PUBLIC = ("QSGDMaxNorm", "QSGDMaxNormMultiScale", "GlobalRandKMaxNorm", "GlobalRandKMaxNormMultiScale",
+          "DistributedOptimizer", "Birder", "PowerSGD", "FP16", "NoCompression", "MPITransport",
+          "HorovodTransport", "CarrierMismatchError")
+
+
+def _imports(path):
+    """(layer or external top-level name) of every import in a module of the package."""
+    tree = ast.parse(path.read_text())
+    parts = path.relative_to(PACKAGE).with_suffix("").parts  # e.g. ("exchange", "stats")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                yield node.module
+            else:
+                base = list(parts[:-1])[: len(parts) - node.level]
+                yield ".".join(["hvdcomp", *base, *([node.module] if node.module else [])])
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_dependencies_point_downward(layer):
+    allowed = {f"hvdcomp.{name}" for name in LAYERS[: LAYERS.index(layer) + 1]}
+    pure = LAYERS.index(layer) <= LAYERS.index("exchange")
+    for path in sorted((PACKAGE / layer).glob("*.py")):
+        for name in _imports(path):
+            if name.startswith("hvdcomp."):
+                target = ".".join(name.split(".")[:2])
+                assert target in allowed, f"{path.name} ({layer}) imports {name}, a layer above it"
+            elif pure:
+                assert name.split(".")[0] not in ("horovod", "mpi4py"), f"{path.name} ({layer}) imports {name}"
+
+
+def test_codec_and_exchange_import_without_horovod_or_mpi4py():
+    code = ("import sys; sys.modules['horovod'] = sys.modules['mpi4py'] = None; "
+            "import hvdcomp.codec, hvdcomp.exchange, torch; "
+            "from hvdcomp.exchange import MaxNormCodec, simulate; from hvdcomp.codec import MaxNormQuantizer; "
+            "codecs = [MaxNormCodec(MaxNormQuantizer((4,))) for _ in range(2)]; "
+            "[c.bind_rank(r) for r, c in enumerate(codecs)]; "
+            "out = simulate([c.exchange(torch.ones(5), [5], 0, 0, 2) for c in codecs]); "
+            "assert torch.equal(out[0], torch.ones(5)); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_no_module_over_400_lines():
+    sizes = {p.relative_to(PACKAGE): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert max(sizes.values()) <= 400, sizes
+
+
+def test_public_names_keep_working():
+    for name in PUBLIC:
+        assert getattr(hvdcomp, name).__name__ == name
+    assert set(PUBLIC) <= set(hvdcomp.__all__) and set(hvdcomp.__all__) <= set(dir(hvdcomp))
+    with pytest.raises(AttributeError):
+        hvdcomp.NoSuchThing  # noqa: B018
+
+
+def test_codecs_declare_the_contract():
+    for codec in (NoCompression(), FP16(), FP16(error_feedback=True), MaxNormCodec(hvdcomp.MaxNormQuantizer((8,)))):
+        assert isinstance(codec, ElementwiseCodec) and isinstance(codec, BucketCodec)
+    assert isinstance(PowerSGD(), TensorCodec)
+    assert isinstance(hvdcomp.QSGDMaxNorm(4).codec, MaxNormCodec)
+
+    class Incomplete(ElementwiseCodec):  # no state_dict: refused at construction, not found missing later
+        def exchange(self, flat, segments, key, step, world_size):
+            return (yield Op.SUM, flat)
+
+    with pytest.raises(TypeError, match="state_dict"):
+        Incomplete()
+
+
+def test_transports_implement_the_protocol():
+    for cls in (hvdcomp.HorovodTransport, hvdcomp.MPITransport):
+        missing = [name for name in ("size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
+                                     "start", "poll", "wait", "collective") if not hasattr(cls, name)]
+        assert not missing, (cls, missing)
+
+
+def test_typed_ops():
+    assert Op.PAYLOAD.carries_payload and Op.PAYLOAD.reduction is Reduction.SUM and Op.PAYLOAD.scope is Scope.WORLD
+    assert [op.across_nodes() for op in (Op.SUM, Op.MAX, Op.PAYLOAD)] == [Op.CROSS_SUM, Op.CROSS_MAX, Op.CROSS_SUM]
+    for op in (Op.LOCAL_SUM, Op.CROSS_MAX, Op.LOCAL_ALLGATHER):
+        with pytest.raises(ValueError, match="hierarchical"):
+            op.across_nodes()
+
+
+class _EchoTransport:
+    """Every worker sent what this one sends: SUM multiplies by the size, MAX returns it."""
+
+    size, rank, local_size, local_rank, cross_size, cross_rank = 3, 0, 3, 0, 1, 0
+
+    def __init__(self):
+        self.ops = []
+
+    def collective(self, op, tensor):
+        self.ops.append(op)
+        return tensor.clone() if op.reduction is Reduction.MAX else tensor * self.size
+
+    def start(self, op, tensor, name=None):
+        return self.collective(op, tensor)
+
+    def poll(self, handle):
+        return True
+
+    def wait(self, handle):
+        return handle
+
+
+def test_drive_runs_to_the_end_or_stops_at_an_op():
+    transport = _EchoTransport()
+    assert isinstance(transport, Transport)
+    codec = MaxNormCodec(hvdcomp.MaxNormQuantizer((8,)))
+    codec.bind_rank(0)
+    x = torch.linspace(-1, 1, 9)
+    assert torch.allclose(drive(codec.exchange(x, [9], "k", 0, 3), transport), x, atol=1 / 255)
+    assert transport.ops == [Op.MAX, Op.PAYLOAD]
+    exchange = codec.exchange(x, [9], "k", 1, 3)
+    words = drive(exchange, transport, until=Op.PAYLOAD)
+    assert words.dtype == torch.int64 and transport.ops[-1] is Op.MAX
+    with pytest.raises(StopIteration):
+        exchange.send(words * 3)
+    with pytest.raises(RuntimeError, match="without requesting"):
+        drive(NoCompression().exchange(x, [9], "k", 0, 3), transport, until=Op.PAYLOAD)
+
+
+def test_traffic_counts_by_scope_and_counted_times_the_codec():
+    topology = Placement(rank=1, size=4, local_size=2)
+    traffic = Traffic()
+    traffic.count(Op.LOCAL_SUM, torch.zeros(10), topology)
+    traffic.count(Op.CROSS_ALLGATHER, torch.zeros(10, dtype=torch.uint8), topology)
+    traffic.count(Op.MAX, torch.zeros(2), topology, control=True)
+    assert (traffic.intra_node_bytes, traffic.inter_node_bytes, traffic.control_bytes) == (40, 10, 8)
+    assert traffic.intra_node_wire_bytes == 40.0 and traffic.inter_node_wire_bytes == 10.0  # rings of 2
+    assert traffic.sent_bytes == 58
+
+    counted_traffic = Traffic()
+    exchange = counted(NoCompression().exchange(torch.ones(6), [6], 0, 0, 2), counted_traffic, Placement(0, 2, 2))
+    op, tensor = next(exchange)
+    with pytest.raises(StopIteration) as done:
+        exchange.send(tensor * 2)
+    assert torch.equal(done.value.value, torch.ones(6))
+    assert counted_traffic.inter_node_bytes == 24 and counted_traffic.inter_node_wire_bytes == 24.0
+    assert min(counted_traffic.compress_s, counted_traffic.communicate_s, counted_traffic.decompress_s) >= 0
+
+
+def test_one_statistics_type_for_every_entry_point():
+    birder = hvdcomp.Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    assert type(birder.stats) is Statistics and type(hvdcomp.QSGDMaxNorm(4).stats) is Statistics
+    code = ("import horovod.torch as hvd, torch, hvdcomp; hvd.init(); "
+            "p = torch.nn.Parameter(torch.zeros(3)); "
+            "opt = hvdcomp.DistributedOptimizer(torch.optim.SGD([p], lr=0.1)); "
+            "print(type(opt.stats).__module__, type(opt.stats).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["hvdcomp.exchange.stats", "Statistics"], done.stderr
