@@ -47,7 +47,7 @@ class _Bucket:
     index: int
     params: list[torch.nn.Parameter]
     dtype: torch.dtype
-    flat: torch.Tensor  # persistent float32 buffer of the bucket's gradients
+    buffer: torch.Tensor  # persistent float32 [numel]: the bucket's gradients, concatenated
     ready: int = 0
     exchange: Exchange | None = None
     handle: Any = None
@@ -168,15 +168,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         t = self._transport
         key, step = f"bucket{bucket.index}", self._exchange_step
         if isinstance(self._codec, ElementwiseCodec):
-            for p, piece in zip(bucket.params, bucket.flat.split(bucket.sizes)):
+            for p, piece in zip(bucket.params, bucket.buffer.split(bucket.sizes)):
                 piece.copy_(p.grad.reshape(-1)) if p.grad is not None else piece.zero_()
             if self._hierarchical:
                 def shard(x: torch.Tensor, segments: list[int], shard_key: object, size: int) -> Exchange:
                     return self._codec.exchange(x, segments, shard_key, step, size)
 
-                return hierarchical_elementwise(shard, bucket.flat, bucket.sizes, key, t.local_size, t.local_rank,
+                return hierarchical_elementwise(shard, bucket.buffer, bucket.sizes, key, t.local_size, t.local_rank,
                                          t.cross_size)
-            return self._codec.exchange(bucket.flat, bucket.sizes, key, step, t.size)
+            return self._codec.exchange(bucket.buffer, bucket.sizes, key, step, t.size)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         if self._hierarchical:
             def tensors(xs: list[torch.Tensor], shard_key: object, size: int) -> Exchange:
