@@ -129,7 +129,11 @@ class Transport(Topology, Protocol):
     ``start`` begins a collective and returns a handle; ``name`` must be the same on every worker
     when several are in flight. ``poll`` says whether it has completed, ``wait`` returns its result
     (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``.
+    ``blocking`` is True when ``start`` completes the collective before returning (collectives then
+    pair by call order, so every worker must start them in the same order).
     """
+
+    blocking: bool
 
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any: ...
 

@@ -1,18 +1,26 @@
 """``hvdcomp.DistributedOptimizer``: bucketed, overlapped, optionally hierarchical compressed exchange.
 
-A drop-in for ``hvd.DistributedOptimizer`` (same call shape, ``synchronize()``, ``skip_synchronize()``):
-gradients are grouped into buckets (by dtype and device, about ``bucket_size_mb`` each, in reverse
-parameter order, the order backward produces them). When every gradient of a bucket has been
-accumulated ``backward_passes_per_step`` times, the bucket's exchange starts asynchronously; its later
-rounds are started as earlier ones complete, from later gradient hooks, and ``synchronize()`` /
-``step()`` wait for what is left. Max-norm compressors exchange one small MAX vector (per-tensor
-scales) per bucket and move their packed levels as one int64 SUM; results are decoded to the mean
-(``op=hvd.Average``) or the sum (``op=hvd.Sum``).
+A drop-in for ``hvd.DistributedOptimizer``: the same arguments in the same order (``groups`` and
+``num_groups`` choose the buckets; sparse gradients are exchanged dense), ``synchronize()``,
+``skip_synchronize()``, ``_parameter_names``, the same warnings and errors. Gradients are grouped into
+buckets (``buckets``). When every gradient of a bucket has been accumulated
+``backward_passes_per_step`` times, the bucket's exchange starts asynchronously; its later rounds are
+started as earlier ones complete, from later gradient hooks, and ``synchronize()`` / ``step()`` finish
+the rest **in bucket order, the same on every rank**: a bucket whose gradients never came on this rank
+(a parameter unused in this step) is exchanged with zeros, as Horovod does. Over a blocking transport
+(``MPITransport``) nothing starts in the hooks, so every rank runs its collectives in that one order.
+Max-norm compressors exchange one small MAX vector (per-tensor scales) per bucket and move their packed
+levels as one int64 SUM; results are decoded to the mean (``op=hvd.Average``) or the sum (``op=hvd.Sum``).
 
 With ``hierarchical=True`` the bucket is summed at full precision inside each node and only the
-compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``transport`` may be an ``MPITransport`` (mpi4py)
-instead of Horovod. Horovod's own ``HOROVOD_HIERARCHICAL_ALLREDUCE`` affects only NCCL builds; it is
-passed through untouched and a warning says when it cannot take effect.
+compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``transport`` may be an
+``MPITransport`` (mpi4py) instead of Horovod. Horovod's own ``HOROVOD_HIERARCHICAL_ALLREDUCE`` affects
+only NCCL builds; it is passed through untouched and a warning says when it cannot take effect.
+
+Collective names carry a prefix from the optimizer's parameter names and its ordinal among optimizers
+over the same names in this process, so several optimizers (a backbone's and a head's) can exchange
+in one step. ``close()`` (or leaving a ``with`` block, or dropping the optimizer) removes the gradient
+hooks. On a rank outside ``process_set`` the optimizer is the wrapped one, as in Horovod.
 
 ``optimizer.stats`` (``hvdcomp.exchange.stats.Statistics``) holds bytes and seconds per step and in
 total. ``state_dict()`` carries the codec's state.
@@ -21,64 +29,66 @@ total. ``state_dict()`` carries the codec's state.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import horovod.torch as hvd
+import horovod.torch.functions as hvd_functions
 import torch
 
+from ..codec.seeding import stable_seed
 from ..codec.validate import check_int, check_real
 from ..exchange.bucket import ElementwiseCodec
 from ..exchange.hierarchy import hierarchical_elementwise, hierarchical_tensors
-from ..exchange.protocol import Exchange, Op, Scope, Transport
+from ..exchange.protocol import Exchange, Op, Transport
 from ..exchange.stats import Statistics
 from ..transport.horovod import HorovodTransport
+from .buckets import Bucket, check_groups, parameter_names, plan_buckets
 from .compressors import bucket_codec
 
 DEFAULT_BUCKET_MB = 25.0
+STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                          "code.")  # Horovod's own text
+_ORDINALS: dict[int, int] = {}  # optimizers created in this process per set of parameter names
 
 
-@dataclass(eq=False)
-class _Bucket:
-    index: int
-    params: list[torch.nn.Parameter]
-    dtype: torch.dtype
-    buffer: torch.Tensor  # persistent float32 [numel]: the bucket's gradients, concatenated
-    ready: int = 0
-    exchange: Exchange | None = None
-    handle: Any = None
-    rounds: dict[Scope, int] = field(default_factory=dict)  # collectives started per scope this step
+def _weak_hook(optimizer: Any) -> Any:
+    """A gradient hook that does not keep ``optimizer`` alive: a dropped optimizer stops exchanging."""
+    ref = weakref.ref(optimizer)
 
-    @property
-    def sizes(self) -> list[int]:
-        return [p.numel() for p in self.params]
+    def hook(p: torch.nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._on_gradient(p)
+
+    return hook
 
 
-def _check_named_parameters(named_parameters: Any, params: list[torch.nn.Parameter]) -> dict[torch.nn.Parameter, str]:
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str) for item in named):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                         "model.named_parameters().")
-    names = [name for name, _ in named]
-    if len(set(names)) != len(names):
-        dups = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
-    in_optimizer = {id(p) for p in params}
-    strangers = [name for name, p in named if id(p) not in in_optimizer]
-    if strangers:
-        raise ValueError(f"named_parameters names parameters that the optimizer does not update: {strangers[:5]}")
-    by_param = {p: name for name, p in named}
-    unnamed = [p for p in params if p not in by_param]
-    if unnamed:
-        raise ValueError(f"named_parameters was specified, but {len(unnamed)} of the optimizer's parameters "
-                         "were not named")
-    return by_param
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _called_by_broadcast_optimizer_state() -> bool:
+    """Whether Horovod's ``broadcast_optimizer_state`` called ``step()`` (through torch's step wrappers) to
+    initialise an empty state: it does so on the ranks whose state is empty only, and skips the exchange
+    for its own optimizers, so ours must too."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code is hvd_functions.broadcast_optimizer_state.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -90,14 +100,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int,
         op: Any,
         gradient_predivide_factor: float,
+        num_groups: int,
+        groups: Any,
+        sparse_as_dense: bool,
         process_set: hvd.ProcessSet,
         bucket_size_mb: float,
         hierarchical: bool,
         transport: Transport | None,
     ) -> None:
         super(self.__class__, self).__init__(params)
-        all_params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        self._names = _check_named_parameters(named_parameters, all_params)
+        self._parameter_names = parameter_names(named_parameters, self.param_groups)
         check_int("backward_passes_per_step", backward_passes_per_step, 1)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvdcomp.DistributedOptimizer supports op=hvd.Average and op=hvd.Sum")
@@ -105,79 +117,99 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("gradient_predivide_factor is not supported: hvdcomp codecs average after decoding, "
                              "so there is no low-precision sum to protect from overflow")
         check_real("bucket_size_mb", bucket_size_mb, low_open=True)
-        self._transport = transport if transport is not None else HorovodTransport(process_set)
-        if transport is None and not process_set.included():
-            raise ValueError("this rank is not in the process set given to DistributedOptimizer")
-        self._codec = bucket_codec(compression)
-        self._codec.bind_rank(self._transport.rank)
+        if num_groups:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                          DeprecationWarning, stacklevel=3)
+            groups = groups if groups is not None else check_int("num_groups", num_groups, 0)
+        check_groups(groups)
         self._passes = backward_passes_per_step
         self._average = op == hvd.Average
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._warned_sparse = False
         self._hierarchical = hierarchical
+        self._synchronized = False
+        self._should_synchronize = True
+        self._fresh_step = True
+        self._inflight: list[Bucket] = []
+        self._exchange_step = 0
+        self._hooks: list[Any] = []
+        self._codec = None
+        self.stats = Statistics()
+        self._included = transport is not None or process_set.included()
+        if not self._included:  # as Horovod: a rank outside the process set trains locally
+            return
+        self._transport = transport if transport is not None else HorovodTransport(process_set)
+        self._codec = bucket_codec(compression)
+        self._codec.bind_rank(self._transport.rank)
         if hierarchical and self._transport.local_size * self._transport.cross_size != self._transport.size:
             raise ValueError("hierarchical=True needs equal nodes covering all workers (local_size * cross_size "
                              "== size); use the global process set")
         _warn_about_horovod_hierarchy()
-        self._buckets = self._make_buckets(all_params, bucket_size_mb)
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        signature = stable_seed(sorted(self._parameter_names[p] for p in trainable))
+        ordinal = _ORDINALS.get(signature, 0)
+        _ORDINALS[signature] = ordinal + 1
+        self._prefix = f"hvdcomp.{signature % 16**8:08x}.{ordinal}"
+        self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._counts = {p: 0 for p in all_params}
-        self._inflight: list[_Bucket] = []
-        self._exchange_step = 0
-        self._synchronized = False
-        self._should_synchronize = True
-        self._fresh_step = True
-        self.stats = Statistics()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in all_params]
+        self._counts = {p: 0 for p in trainable}
+        hook = _weak_hook(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in trainable]
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
-    # -- construction ----------------------------------------------------------------------------
-    def _make_buckets(self, params: list[torch.nn.Parameter], bucket_size_mb: float) -> list[_Bucket]:
-        limit = bucket_size_mb * 2**20
-        open_buckets: dict[tuple, tuple[list[torch.nn.Parameter], int]] = {}
-        groups: list[list[torch.nn.Parameter]] = []
-        for p in reversed(params):  # backward produces gradients roughly in reverse order
-            kind = (p.dtype, p.device)
-            current, nbytes = open_buckets.get(kind, ([], 0))
-            size = p.numel() * p.element_size()
-            if current and nbytes + size > limit:
-                groups.append(current)
-                current, nbytes = [], 0
-            current.append(p)
-            open_buckets[kind] = (current, nbytes + size)
-        groups.extend(g for g, _ in open_buckets.values() if g)
-        return [_Bucket(i, g, g[0].dtype, torch.zeros(sum(p.numel() for p in g), device=g[0].device))
-                for i, g in enumerate(groups)]
+    def close(self) -> None:
+        """Remove the gradient hooks: this optimizer exchanges nothing more (``step()`` is then local)."""
+        if self._inflight:
+            raise AssertionError("optimizer.close() was called with exchanges in flight; call optimizer.step() or "
+                                 "optimizer.synchronize() first, on every rank")
+        self.__exit__()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _remove_hooks(self._hooks)
+        self._included = False
 
     # -- gradient hooks and progress ---------------------------------------------------------------
     def _on_gradient(self, p: torch.nn.Parameter) -> None:
         bucket = self._bucket_of[p]
-        if p.grad is not None and p.grad.is_sparse:
-            raise TypeError(f"hvdcomp.DistributedOptimizer needs dense gradients; {self._names[p]} is sparse")
         if p.grad is not None and p.grad.dtype != bucket.dtype:
-            raise TypeError(f"gradient of {self._names[p]} is {p.grad.dtype} but its bucket holds {bucket.dtype}; "
-                            "build the DistributedOptimizer after changing the model's dtype")
+            raise TypeError(f"gradient of {self._parameter_names[p]} is {p.grad.dtype} but its bucket holds "
+                            f"{bucket.dtype}; build the DistributedOptimizer after changing the model's dtype")
+        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense and not self._warned_sparse:
+            self._warned_sparse = True
+            warnings.warn(f"hvdcomp: the sparse gradient of {self._parameter_names[p]} is exchanged dense (hvdcomp's "
+                          "codecs work on dense values); pass sparse_as_dense=True to say so", stacklevel=2)
         self._counts[p] += 1
         if self._counts[p] > self._passes:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times before call to "
                                  "step(). Increase backward_passes_per_step to accumulate gradients locally.")
         if self._counts[p] == self._passes:
             bucket.ready += 1
-            if bucket.ready == len(bucket.params):
+            if bucket.ready == len(bucket.params) and not self._transport.blocking:
                 self._launch(bucket)
         self._progress()
 
-    def _bucket_exchange(self, bucket: _Bucket) -> Exchange:
+    @staticmethod
+    def _dense_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+        return p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
+
+    def _bucket_exchange(self, bucket: Bucket) -> Exchange:
         t = self._transport
         key, step = f"bucket{bucket.index}", self._exchange_step
+        grads = [self._dense_grad(p) for p in bucket.params]
         if isinstance(self._codec, ElementwiseCodec):
-            for p, piece in zip(bucket.params, bucket.buffer.split(bucket.sizes)):
-                piece.copy_(p.grad.reshape(-1)) if p.grad is not None else piece.zero_()
+            for grad, piece in zip(grads, bucket.buffer.split(bucket.sizes)):
+                piece.copy_(grad.reshape(-1)) if grad is not None else piece.zero_()
             if self._hierarchical:
                 def shard(x: torch.Tensor, segments: list[int], shard_key: object, size: int) -> Exchange:
                     return self._codec.exchange(x, segments, shard_key, step, size)
 
                 return hierarchical_elementwise(shard, bucket.buffer, bucket.sizes, key, t.local_size, t.local_rank,
-                                         t.cross_size)
+                                                t.cross_size)
             return self._codec.exchange(bucket.buffer, bucket.sizes, key, step, t.size)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
         if self._hierarchical:
             def tensors(xs: list[torch.Tensor], shard_key: object, size: int) -> Exchange:
                 return self._codec.exchange(xs, shard_key, step, size)
@@ -185,11 +217,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return hierarchical_tensors(tensors, grads, key, t.local_size, t.local_rank, t.cross_size)
         return self._codec.exchange(grads, key, step, t.size)
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if self._fresh_step:
             self.stats.begin_step()
             self._fresh_step = False
         started = time.perf_counter()
+        bucket.launched = True
         bucket.exchange = self._bucket_exchange(bucket)
         op, tensor = next(bucket.exchange)
         self.stats.last_step.compress_s += time.perf_counter() - started
@@ -197,18 +230,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._start(bucket, op, tensor)
         self._inflight.append(bucket)
 
-    def _start(self, bucket: _Bucket, op: Op, tensor: torch.Tensor) -> None:
+    def _start(self, bucket: Bucket, op: Op, tensor: torch.Tensor) -> None:
         self.stats.last_step.count(op, tensor, self._transport)
         started = time.perf_counter()
         # Name by scope: workers of one node (or one cross-node group) run the same sequence of their
         # scope's collectives, even where a shard leaves one worker fewer rounds of another scope.
         count = bucket.rounds.get(op.scope, 0)
         bucket.rounds[op.scope] = count + 1
-        name = f"hvdcomp.bucket{bucket.index}.{op.scope.value}{count}.{op.name.lower()}"
+        name = f"{self._prefix}.bucket{bucket.index}.{op.scope.value}{count}.{op.name.lower()}"
         bucket.handle = self._transport.start(op, tensor, name)
         self.stats.last_step.communicate_s += time.perf_counter() - started
 
-    def _advance(self, bucket: _Bucket) -> bool:
+    def _advance(self, bucket: Bucket) -> bool:
         """Take the bucket's finished collective and start its next one; True when the exchange is done."""
         started = time.perf_counter()
         result = self._transport.wait(bucket.handle)
@@ -235,27 +268,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._inflight.remove(bucket)
                     break
 
-    def _write_back(self, bucket: _Bucket, result: Any) -> None:
+    def _write_back(self, bucket: Bucket, result: Any) -> None:
         means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
         for p, mean in zip(bucket.params, means):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(mean.view(p.shape))
+            if p.grad is not None and p.grad.is_sparse:  # back to sparse, as Horovod returns it
+                p.grad = mean.view(p.shape).to(p.dtype).to_sparse()
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(mean.view(p.shape))
             if not self._average:
                 p.grad.mul_(self._transport.size)
 
     # -- the Horovod optimizer interface ---------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish every bucket's exchange; gradients then hold the mean (or sum) over the workers."""
+        """Finish every bucket's exchange; gradients then hold the mean (or sum) over the workers.
+
+        Buckets are finished in bucket order on every rank; a bucket not yet started here (gradients
+        missing on this rank count as zeros) starts first, so no rank waits in one bucket's round while
+        another waits in a different one's."""
+        if not self._included:
+            self._synchronized = True
+            return
         for bucket in self._buckets:
-            if bucket.exchange is None and bucket.ready < len(bucket.params):
-                self._launch(bucket)  # gradients missing on this worker (unused parameters) count as 0
-        for bucket in self._inflight:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in sorted(self._inflight, key=lambda b: b.index):
             while not self._advance(bucket):
                 pass
         self._inflight.clear()
         for bucket in self._buckets:
-            bucket.ready = 0
+            bucket.ready, bucket.launched = 0, False
         for p in self._counts:
             self._counts[p] = 0
         self.stats.end_step()
@@ -273,13 +316,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize:
+        if self._should_synchronize and not _called_by_broadcast_optimizer_state():
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(); the gradients are already synchronized and are not "
-                              "exchanged again", stacklevel=2)
-            else:
-                self.synchronize()
+                warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+            self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
@@ -292,7 +332,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = super(self.__class__, self).state_dict()
-        state["hvdcomp"] = {"codec": self._codec.state_dict(), "exchange_step": self._exchange_step}
+        codec = None if self._codec is None else self._codec.state_dict()
+        state["hvdcomp"] = {"codec": codec, "exchange_step": self._exchange_step}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -300,7 +341,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop("hvdcomp", None)
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is not None:
-            self._codec.load_state_dict(ours["codec"])
+            if self._codec is not None and ours["codec"] is not None:
+                self._codec.load_state_dict(ours["codec"])
             self._exchange_step = ours["exchange_step"]
 
 
@@ -317,23 +359,35 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     backward_passes_per_step: int = 1,
     op: Any = hvd.Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | list[list[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
     process_set: hvd.ProcessSet = hvd.global_process_set,
     bucket_size_mb: float = DEFAULT_BUCKET_MB,
     hierarchical: bool = False,
     transport: Transport | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the mean (``op=hvd.Average``) or sum (``op=hvd.Sum``)
-    over the workers of their compressed gradients.
+    over the workers of their compressed gradients. The arguments up to ``process_set`` are Horovod's,
+    in Horovod's order.
 
     Args:
         compression: ``None`` / ``hvd.Compression.none`` (plain all-reduce), ``hvd.Compression.fp16``,
-            an hvdcomp compressor (``QSGDMaxNorm(8)``, ...), ``NoCompression()``, ``FP16()`` or ``PowerSGD()``.
+            an hvdcomp compressor (``QSGDMaxNorm(8)``, ...), or a bucket codec (``NoCompression()``,
+            ``FP16()``, ``PowerSGD()``, your own ``hvdcomp.exchange.BucketCodec``).
+        num_groups, groups: Horovod's grouping, applied to the buckets (see ``buckets``);
+            ``num_groups`` is Horovod's deprecated spelling of an integer ``groups``.
+        sparse_as_dense: sparse gradients are exchanged dense either way (hvdcomp's codecs are dense)
+            and come back sparse; ``True`` says so and silences the warning.
         bucket_size_mb: gradients per bucket; each bucket is exchanged as soon as it is complete.
         hierarchical: full precision inside nodes, the compressed payload only between nodes.
         transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
             ``process_set``.
+
+    ``close()`` (or a ``with`` block) detaches the optimizer from the parameters' gradient hooks.
     """
     # (Birder refuses to be subclassed into a wrapper like this: it exchanges its own updates.)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set, bucket_size_mb, hierarchical, transport)
+               gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, bucket_size_mb,
+               hierarchical, transport)

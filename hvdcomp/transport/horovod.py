@@ -55,6 +55,8 @@ class HorovodTransport:
     cross-node ops use process sets built from ``local_rank`` / ``cross_rank`` (created on first use,
     global process set only)."""
 
+    blocking = False  # asynchronous, matched across workers by name
+
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self._local: hvd.ProcessSet | None = None

@@ -17,6 +17,8 @@ from ..exchange.protocol import Op, Reduction, Scope
 class MPITransport:
     """Collectives over mpi4py (``comm``: default ``MPI.COMM_WORLD``; see the module docstring)."""
 
+    blocking = True  # start() runs the collective: workers must start them in the same order
+
     def __init__(self, comm: Any = None, local_size: int | None = None) -> None:
         from mpi4py import MPI
 
