@@ -372,7 +372,7 @@ def test_param_groups_and_schedulers():
 class _Alone:
     """A transport for one worker."""
 
-    rank, size, local_size, local_rank, cross_size = 0, 1, 1, 0, 1
+    rank, size, local_size, local_rank, cross_size, equal_nodes = 0, 1, 1, 0, 1, True
 
     def collective(self, op, tensor):
         return tensor.clone()
@@ -455,13 +455,25 @@ def test_parameter_count_mismatch_fails_on_every_worker():
 
 def test_hierarchical_needs_nodes_covering_the_workers():
     class Subset:  # e.g. a Horovod process set of 3 workers on 2 nodes of 2
-        rank, size, local_size, local_rank, cross_size = 0, 3, 2, 0, 2
+        rank, size, local_size, local_rank, cross_size, equal_nodes = 0, 3, 2, 0, 2, True
 
     opt = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    with pytest.raises(ValueError, match="hierarchical=False"):
+    with pytest.raises(ValueError, match="hold all 3 workers.*hierarchical=False"):
         next(opt.step_exchange(Subset()))
     flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
     assert next(flat.step_exchange(Subset()))[0] is Op.MAX
+
+
+@pytest.mark.parametrize("rank,local_size,cross_size", [(0, 2, 2), (1, 2, 1), (2, 1, 2)])
+def test_uneven_nodes_refuse_hierarchical_on_every_rank(rank, local_size, cross_size):
+    """3 workers as nodes of 2 + 1: each rank sees other sizes (Horovod's), the agreed equal_nodes decides."""
+    view = type("View", (), {"rank": rank, "size": 3, "local_size": local_size, "local_rank": rank % 2,
+                             "cross_size": cross_size, "equal_nodes": False})
+    with pytest.raises(ValueError, match="every node.*hierarchical=False"):
+        next(Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1).step_exchange(view()))
+    flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
+    assert next(flat.step_exchange(view()))[0] is Op.MAX
+    assert Placement(rank, 4, 2).equal_nodes and not Placement(rank, 3, 2).equal_nodes
 
 
 def test_wrapping_in_horovod_distributed_optimizer_is_refused():

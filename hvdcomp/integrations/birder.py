@@ -98,9 +98,10 @@ class Birder(torch.optim.Optimizer):
         lr: learning rate (> 0).
         beta: decay of both moments, in (0, 1).
         weight_decay: decoupled weight decay ``lambda`` (>= 0): ``x <- x - lr (u_bar + lambda x)``.
-        hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs the transport's nodes to cover
-            all its workers; over Horovod, ``hvd.init(process_sets="dynamic")``). ``False``, a single
-            node, or one worker per node uses the exact 1-bit lane sum over all workers.
+        hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs equal nodes that cover all the
+            transport's workers, else every worker raises at the first step; over Horovod,
+            ``hvd.init(process_sets="dynamic")``). ``False``, a single node, or one worker per node uses
+            the exact 1-bit lane sum over all workers.
         inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
             ``HorovodTransport(process_set)``, created at the first step.
@@ -247,6 +248,9 @@ class Birder(torch.optim.Optimizer):
         worker sits (default: the transport). Run it to its end on every worker."""
         self._check_not_wrapped()
         topo = topology if topology is not None else self.transport
+        if self.hierarchical and not topo.equal_nodes:  # agreed: every rank raises, or none
+            raise ValueError("Birder: hierarchical=True needs the same number of workers on every node; "
+                             "pass hierarchical=False")
         size, local_size, cross_size = topo.size, topo.local_size, topo.cross_size
         hierarchical = self.hierarchical and cross_size > 1 and local_size > 1
         if hierarchical and local_size * cross_size != size:
