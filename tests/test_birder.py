@@ -235,12 +235,13 @@ def test_replicas_stay_identical_masking_and_bytes(world_size, local_size, inter
     start = [p.detach().clone() for p in params[0]]
     stats = _run(params, opts, local_size, steps)
     _assert_replicas_identical(params)
-    # never-nonzero gradients (always zero, or None) on every worker: only weight decay acts, exactly
-    for index in (2, 3):
-        expected = start[index].clone()
-        for _ in range(steps):
-            expected.mul_(1 - 0.01 * 0.1)
-        assert torch.equal(params[0][index].detach(), expected)
+    # an always-zero gradient on every worker: only weight decay acts, exactly
+    expected = start[2].clone()
+    for _ in range(steps):
+        expected.mul_(1 - 0.01 * 0.1)
+    assert torch.equal(params[0][2].detach(), expected)
+    # no gradient (None) on any worker: left alone, weight decay included (as AdamW)
+    assert torch.equal(params[0][3].detach(), start[3])
     # zero on rank 0 only: still active, moved by the 1-bit mean like the dense tensor
     assert not torch.equal(params[0][1].detach(), start[1] * (1 - 0.001) ** steps)
 
@@ -248,11 +249,12 @@ def test_replicas_stay_identical_masking_and_bytes(world_size, local_size, inter
     num_nodes = world_size // local_size
     chunk = math.ceil(numel / local_size)
     mask_sync = 8 * math.ceil(numel / _lanes(world_size))
+    flags = 8 * (4 + len(SHAPES))  # the Op.MAX: 4 flags, then one per parameter (has a gradient)
     for step, per_worker in enumerate(stats):
         for s in per_worker:
             assert s["steps"] == step + 1 and s["skipped_steps"] == 0 and s["uncompressed_bytes"] == 4 * numel
             # the mask is agreed at the first step only (later steps bring no new non-zero elements)
-            assert s["control_bytes"] == 32 + (mask_sync if step == 0 else 0)
+            assert s["control_bytes"] == flags + (mask_sync if step == 0 else 0)
             if num_nodes == 1:
                 assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
                 assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(world_size))
@@ -268,6 +270,48 @@ def test_replicas_stay_identical_masking_and_bytes(world_size, local_size, inter
             assert s["inter_node_wire_bytes"] == pytest.approx(ring)
             intra_ring = 2 * (local_size - 1) / local_size * local_sum + (local_size - 1) * local_gather
             assert s["intra_node_wire_bytes"] == pytest.approx(intra_ring)
+
+
+def test_gradient_on_some_workers_only_counts_as_zero_elsewhere():
+    """params[1]: None on rank 0 and a tensor elsewhere acts as a zero tensor on rank 0; replicas stay equal."""
+    runs = []
+    for missing in (False, True):
+        params, opts = _workers(4)
+        for step in range(3):
+            for rank, p in enumerate(params):
+                _set_grads(p, rank, step)
+            if missing:
+                params[0][1].grad = None
+            simulate_step(opts, 2)
+        _assert_replicas_identical(params)
+        runs.append(params[0])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_frozen_parameter_is_left_alone_with_its_moments():
+    """requires_grad=False (even with a stale .grad) skips the parameter: no decay, no update, moments kept;
+    it resumes from its kept moments once unfrozen."""
+    params, opts = _workers(2)
+    _run(params, opts, 2, 2)
+    numel = [math.prod(s) for s in SHAPES]
+    lo, hi = numel[0], numel[0] + numel[1]  # params[1] in the flat buffer
+    before = [p[1].detach().clone() for p in params]
+    moments = [(o.state_dict()["birder"]["m"][lo:hi], o.state_dict()["birder"]["b"][lo:hi]) for o in opts]
+    assert moments[1][0].ne(0).all()  # rank 1's gradients for params[1] are random (rank 0's are zero)
+    for p in params:
+        p[1].requires_grad_(False)
+    _run(params, opts, 2, 2, first_step=2)  # still sets params[1].grad (random on rank 1): ignored
+    _assert_replicas_identical(params)
+    for p, x, o, (m, b) in zip(params, before, opts, moments):
+        state = o.state_dict()["birder"]
+        assert torch.equal(p[1].detach(), x)
+        assert torch.equal(state["m"][lo:hi], m) and torch.equal(state["b"][lo:hi], b)
+        assert state["m"][:lo].ne(0).any()  # the neighbours did update
+    for p in params:
+        p[1].requires_grad_(True)
+    _run(params, opts, 2, 1, first_step=4)
+    assert not torch.equal(params[0][1].detach(), before[0])
 
 
 def test_bits_per_element_on_the_wire():
@@ -372,7 +416,7 @@ def test_param_groups_and_schedulers():
 class _Alone:
     """A transport for one worker."""
 
-    rank, size, local_size, local_rank, cross_size = 0, 1, 1, 0, 1
+    rank, size, local_size, local_rank, cross_size, equal_nodes = 0, 1, 1, 0, 1, True
 
     def collective(self, op, tensor):
         return tensor.clone()
@@ -455,13 +499,25 @@ def test_parameter_count_mismatch_fails_on_every_worker():
 
 def test_hierarchical_needs_nodes_covering_the_workers():
     class Subset:  # e.g. a Horovod process set of 3 workers on 2 nodes of 2
-        rank, size, local_size, local_rank, cross_size = 0, 3, 2, 0, 2
+        rank, size, local_size, local_rank, cross_size, equal_nodes = 0, 3, 2, 0, 2, True
 
     opt = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    with pytest.raises(ValueError, match="hierarchical=False"):
+    with pytest.raises(ValueError, match="hold all 3 workers.*hierarchical=False"):
         next(opt.step_exchange(Subset()))
     flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
     assert next(flat.step_exchange(Subset()))[0] is Op.MAX
+
+
+@pytest.mark.parametrize("rank,local_size,cross_size", [(0, 2, 2), (1, 2, 1), (2, 1, 2)])
+def test_uneven_nodes_refuse_hierarchical_on_every_rank(rank, local_size, cross_size):
+    """3 workers as nodes of 2 + 1: each rank sees other sizes (Horovod's), the agreed equal_nodes decides."""
+    view = type("View", (), {"rank": rank, "size": 3, "local_size": local_size, "local_rank": rank % 2,
+                             "cross_size": cross_size, "equal_nodes": False})
+    with pytest.raises(ValueError, match="every node.*hierarchical=False"):
+        next(Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1).step_exchange(view()))
+    flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
+    assert next(flat.step_exchange(view()))[0] is Op.MAX
+    assert Placement(rank, 4, 2).equal_nodes and not Placement(rank, 3, 2).equal_nodes
 
 
 def test_wrapping_in_horovod_distributed_optimizer_is_refused():

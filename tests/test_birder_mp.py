@@ -115,7 +115,8 @@ def _check(results, world_size, local_size, inter_node):
             skipped = step == NAN_STEP
             assert s["skipped_steps"] == int(step >= NAN_STEP)
             assert s["uncompressed_bytes"] == (0 if skipped else 4 * numel)
-            assert s["control_bytes"] == 32 + (8 * math.ceil(numel / _lanes(world_size)) if step == 0 else 0)
+            flags = 8 * (4 + len(SHAPES))  # the Op.MAX: 4 flags, then one per parameter (has a gradient)
+            assert s["control_bytes"] == flags + (8 * math.ceil(numel / _lanes(world_size)) if step == 0 else 0)
             if skipped:
                 assert s["inter_node_bytes"] == s["intra_node_bytes"] == 0
                 continue

@@ -106,7 +106,8 @@ def test_codecs_declare_the_contract():
 def test_transports_implement_the_protocol():
     for cls in (hvdcomp.HorovodTransport, hvdcomp.MPITransport):
         missing = [name for name in ("size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
-                                     "blocking", "start", "poll", "wait", "collective") if not hasattr(cls, name)]
+                                     "equal_nodes", "blocking", "start", "poll", "wait", "collective")
+                   if not hasattr(cls, name)]
         assert not missing, (cls, missing)
 
 
@@ -121,7 +122,8 @@ def test_typed_ops():
 class _EchoTransport:
     """Every worker sent what this one sends: SUM multiplies by the size, MAX returns it."""
 
-    size, rank, local_size, local_rank, cross_size, cross_rank, blocking = 3, 0, 3, 0, 1, 0, True
+    size, rank, local_size, local_rank, cross_size, cross_rank = 3, 0, 3, 0, 1, 0
+    equal_nodes = blocking = True
 
     def __init__(self):
         self.ops = []

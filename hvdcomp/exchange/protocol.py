@@ -84,7 +84,13 @@ Exchange = Generator[Request, torch.Tensor, Any]
 
 @runtime_checkable
 class Topology(Protocol):
-    """Where a worker sits among ``size`` workers in ``cross_size`` nodes of ``local_size`` each."""
+    """Where a worker sits among ``size`` workers in ``cross_size`` nodes of ``local_size`` each.
+
+    ``equal_nodes``: whether ``local_size`` and ``cross_size`` are the same on every worker (every node
+    holds as many workers). It is the same on every worker, so a decision made from it and those two
+    sizes is too; a transport that agrees it through a collective does so when first read, so every
+    worker must read it at the same point.
+    """
 
     size: int
     rank: int
@@ -92,6 +98,7 @@ class Topology(Protocol):
     local_rank: int
     cross_size: int
     cross_rank: int
+    equal_nodes: bool
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,10 @@ class Placement:
     @property
     def cross_rank(self) -> int:
         return self.rank // self.local_size
+
+    @property
+    def equal_nodes(self) -> bool:
+        return self.size % self.local_size == 0
 
 
 def group_size(topology: Topology, scope: Scope) -> int:

@@ -6,7 +6,7 @@ Per worker, with one decay ``beta`` and flat float32 buffers over all parameters
 2. ``z = m / b`` (0 where ``b == 0``); ``u = +1`` with probability ``(1 + z) / 2``, else ``-1`` (``E[u] = z``);
 3. ``u_bar`` = the mean of ``u`` over the workers, by a 1-bit exchange (``hvdcomp.exchange.onebit``):
    hierarchical across multi-worker nodes, else the exact lane sum over all workers;
-4. ``x <- x - lr (u_bar + weight_decay x)`` (decoupled weight decay).
+4. ``x <- x - lr (u_bar + weight_decay x)`` (decoupled weight decay) for each parameter with a gradient.
 
 There is no uncompressed warm-up; learning-rate warm-up works through the usual torch schedulers.
 The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, masking, state, stats.
@@ -19,13 +19,19 @@ process set equal to the global one, which Horovod refuses to add). ``route`` sa
 ``"hierarchical:allgather"``, ``"hierarchical:sum"`` or ``"world:sum"``.
 
 **Masking.** An element is *active* once some worker has seen a non-zero gradient for it. The agreed
-``active`` mask (identical on every rank) costs nothing per step beyond a 4-value ``Op.MAX`` that
-every step makes anyway (flags: some gradient non-finite; some worker saw a first non-zero gradient;
-the parameter count, to catch mismatched models). Only when that flag is up do the workers sum their
-newly active bits (packed lanes). Inactive elements still travel but get ``u_bar = 0``, so a parameter
+``active`` mask (identical on every rank) costs nothing per step beyond the ``Op.MAX`` of ``4 + P``
+values (``P`` parameter tensors) that every step makes anyway (flags: some gradient non-finite; some
+worker saw a first non-zero gradient; the element count, to catch mismatched models; per parameter,
+some worker has a gradient for it). Only when the second flag is up do the workers sum their newly
+active bits (packed lanes). Inactive elements still travel but get ``u_bar = 0``, so a parameter
 whose gradient is always zero on every worker changes only through weight decay. ``b`` can underflow
 back to 0 after thousands of zero-gradient steps; such an element stays active with ``z = 0`` (a fair
 coin), which is still unbiased.
+
+**Parameters without a gradient** (``.grad`` None, or ``requires_grad=False``) on every worker are
+left alone, as AdamW does: no update, no weight decay, ``m`` and ``b`` kept. The flags of the
+``Op.MAX`` make every worker skip the same ones; a worker without a gradient that another worker has
+counts it as zero. A zero gradient tensor is a gradient: weight decay applies.
 
 **Non-finite gradients**: if any worker's gradient holds NaN/Inf, every worker skips the step (no
 state changes, no random draws), warns, and counts it in ``stats.skipped_steps``.
@@ -34,9 +40,9 @@ state changes, no random draws), warns, and counts it in ``stats.skipped_steps``
 rank)``; the global RNGs are never touched.
 
 **Statistics**: ``stats`` is ``hvdcomp.exchange.stats.Statistics``, as for ``DistributedOptimizer``;
-the flags and activity masks count as ``control_bytes``. Per worker and step, for ``n`` elements,
-``c = ceil(n / L)`` and ``lanes(k) = floor(63 / bit_length(k))``: hierarchical, inter-node
-``ceil(c / 8)`` bytes (all-gather) or ``8 ceil(c / lanes(N))`` (sum); intra-node
+the flags (``8 (4 + P)`` bytes) and activity masks count as ``control_bytes``. Per worker and step,
+for ``n`` elements, ``c = ceil(n / L)`` and ``lanes(k) = floor(63 / bit_length(k))``: hierarchical,
+inter-node ``ceil(c / 8)`` bytes (all-gather) or ``8 ceil(c / lanes(N))`` (sum); intra-node
 ``8 ceil(n / lanes(L)) + 8 ceil(c / lanes(N))``; over all workers ``8 ceil(n / lanes(W))`` inter-node.
 
 ``state_dict()`` holds ``m``, ``b``, the active mask, the step count and the generator state: each
@@ -70,11 +76,22 @@ _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
 class _Layout:
     params: list[torch.Tensor]
     offsets: list[int]
-    group_bounds: list[tuple[int, int]]  # [lo, hi) of each param group in the flat buffer
-    group_members: list[list[tuple[torch.Tensor, int]]]  # (param, offset) of each group
+    group_indices: list[range]  # each param group's indices into params / offsets
     numel: int
     device: torch.device
     key: tuple
+
+
+def _runs(layout: _Layout, indices: range, updated: list[bool]) -> list[list[int]]:
+    """The ``[lo, hi)`` spans of the flat buffer that hold the ``updated`` parameters among ``indices``."""
+    runs: list[list[int]] = []
+    for i in (i for i in indices if updated[i]):
+        lo, hi = layout.offsets[i], layout.offsets[i] + layout.params[i].numel()
+        if runs and runs[-1][1] == lo:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi])
+    return runs
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -98,16 +115,18 @@ class Birder(torch.optim.Optimizer):
         lr: learning rate (> 0).
         beta: decay of both moments, in (0, 1).
         weight_decay: decoupled weight decay ``lambda`` (>= 0): ``x <- x - lr (u_bar + lambda x)``.
-        hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs the transport's nodes to cover
-            all its workers; over Horovod, ``hvd.init(process_sets="dynamic")``). ``False``, a single
-            node, or one worker per node uses the exact 1-bit lane sum over all workers.
+        hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs equal nodes that cover all the
+            transport's workers, else every worker raises at the first step; over Horovod,
+            ``hvd.init(process_sets="dynamic")``). ``False``, a single node, or one worker per node uses
+            the exact 1-bit lane sum over all workers.
         inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
             ``HorovodTransport(process_set)``, created at the first step.
         process_set: Horovod process set of the default transport.
         seed: with the rank, seeds this worker's generator.
 
-    A ``.grad`` of ``None`` counts as a zero gradient (every worker must hold the same parameters).
+    A parameter without a gradient (``.grad`` None or ``requires_grad=False``) on every worker is skipped,
+    weight decay included; on some workers only, they count it as zero. Workers hold the same parameters.
     ``stats``: bytes and seconds of the last step and in total; ``route``: the last step's exchange.
     ``step_exchange(topology)`` is the step as an exchange generator (for ``simulate``; see ``simulate_step``).
     """
@@ -179,21 +198,18 @@ class Birder(torch.optim.Optimizer):
             if self._layout.key != key:
                 raise RuntimeError("Birder: the parameters changed after the first step")
             return self._layout
-        params, offsets, bounds, members, offset = [], [], [], [], 0
+        params, offsets, indices, offset = [], [], [], 0
         for group in self.param_groups:
-            start = offset
-            members.append([])
+            indices.append(range(len(params), len(params) + len(group["params"])))
             for p in group["params"]:
                 params.append(p)
                 offsets.append(offset)
-                members[-1].append((p, offset))
                 offset += p.numel()
-            bounds.append((start, offset))
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"Birder: all parameters must be on one device, got {sorted(map(str, devices))}")
         device = devices.pop() if devices else torch.device("cpu")
-        self._layout = _Layout(params, offsets, bounds, members, offset, device, key)
+        self._layout = _Layout(params, offsets, indices, offset, device, key)
         zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=device)  # noqa: E731
         self._m, self._b, self._grad = zeros(torch.float32), zeros(torch.float32), zeros(torch.float32)
         self._z, self._rand = zeros(torch.float32), zeros(torch.float32)
@@ -208,18 +224,20 @@ class Birder(torch.optim.Optimizer):
             self._generator_rank = rank
         return self._generator
 
-    def _gather_grads(self, layout: _Layout) -> torch.Tensor:
-        flat = self._grad
+    def _gather_grads(self, layout: _Layout) -> tuple[torch.Tensor, list[float]]:
+        """The flat gradient (zero for a parameter without one) and, per parameter, 1.0 if it has one."""
+        flat, has_grad = self._grad, []
         for p, offset in zip(layout.params, layout.offsets):
             part = flat[offset:offset + p.numel()]
-            grad = p.grad
+            grad = p.grad if p.requires_grad else None
+            has_grad.append(float(grad is not None))
             if grad is None:
                 part.zero_()
                 continue
             if grad.is_sparse or grad.layout != torch.strided:
                 raise TypeError("Birder does not support sparse gradients")
             part.copy_(grad.detach().reshape(-1))
-        return flat
+        return flat, has_grad
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -247,6 +265,9 @@ class Birder(torch.optim.Optimizer):
         worker sits (default: the transport). Run it to its end on every worker."""
         self._check_not_wrapped()
         topo = topology if topology is not None else self.transport
+        if self.hierarchical and not topo.equal_nodes:  # agreed: every rank raises, or none
+            raise ValueError("Birder: hierarchical=True needs the same number of workers on every node; "
+                             "pass hierarchical=False")
         size, local_size, cross_size = topo.size, topo.local_size, topo.cross_size
         hierarchical = self.hierarchical and cross_size > 1 and local_size > 1
         if hierarchical and local_size * cross_size != size:
@@ -262,12 +283,12 @@ class Birder(torch.optim.Optimizer):
             warnings.warn(f"Birder: rank {topo.rank} runs with rank {self._generator_rank}'s generator state; "
                           "each worker should load its own state dict", RuntimeWarning, stacklevel=3)
         traffic = self.stats.begin_step()
-        grad = self._gather_grads(layout)
+        grad, has_grad = self._gather_grads(layout)
 
         nonfinite = not bool(torch.isfinite(grad).all())
         fresh = None if nonfinite or self._all_active else grad.ne(0).logical_and_(self._active.logical_not())
-        flags = torch.tensor([float(nonfinite), float(fresh is not None and bool(fresh.any())), numel, -numel],
-                             dtype=torch.float64)
+        flags = torch.tensor([float(nonfinite), float(fresh is not None and bool(fresh.any())), numel, -numel,
+                              *has_grad], dtype=torch.float64)
         flags = yield from counted(single(Op.MAX, flags), traffic, topo, control=True)
         if int(flags[2]) != numel or int(-flags[3]) != numel:
             raise RuntimeError(f"Birder: workers hold different parameter counts ({int(-flags[3])} to {int(flags[2])})")
@@ -284,19 +305,22 @@ class Birder(torch.optim.Optimizer):
             self._active.logical_or_(mask_layout.unpack(word_sums, numel) > 0)
             self._all_active = bool(self._active.all())
         traffic.uncompressed_bytes += 4 * numel
-        yield from counted(self._update(layout, grad, generator, topo, hierarchical), traffic, topo)
+        updated = (flags[4:] > 0).tolist()
+        yield from counted(self._update(layout, grad, generator, topo, hierarchical, updated), traffic, topo)
         self._step += 1
         self.stats.end_step()
         return None
 
     def _update(self, layout: _Layout, grad: torch.Tensor, generator: torch.Generator, topo: Topology,
-                hierarchical: bool) -> Exchange:
-        """Moments, the 1-bit draw, its exchange, and the parameter update."""
+                hierarchical: bool, updated: list[bool]) -> Exchange:
+        """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
+        keep their moments; their bits travel, as the exchange covers the whole flat buffer)."""
         m, b, z = self._m, self._b, self._z
-        for group, (lo, hi) in zip(self.param_groups, layout.group_bounds):
+        for group, indices in zip(self.param_groups, layout.group_indices):
             beta = group["beta"]
-            m[lo:hi].mul_(beta).add_(grad[lo:hi], alpha=1 - beta)
-            b[lo:hi].mul_(beta).add_(torch.abs(grad[lo:hi], out=z[lo:hi]), alpha=1 - beta)
+            for lo, hi in _runs(layout, indices, updated):
+                m[lo:hi].mul_(beta).add_(grad[lo:hi], alpha=1 - beta)
+                b[lo:hi].mul_(beta).add_(torch.abs(grad[lo:hi], out=z[lo:hi]), alpha=1 - beta)
         unbiased_direction(m, b, out=z)
         bits = binarize(z.add_(1).mul_(0.5), generator, rand_out=self._rand, out=self._bits)
 
@@ -313,9 +337,10 @@ class Birder(torch.optim.Optimizer):
             mean.masked_fill_(~self._active, 0.0)
 
         with torch.no_grad():
-            for group, members in zip(self.param_groups, layout.group_members):
+            for group, indices in zip(self.param_groups, layout.group_indices):
                 lr, decay = group["lr"], group["weight_decay"]
-                for p, offset in members:
+                for i in (i for i in indices if updated[i]):
+                    p, offset = layout.params[i], layout.offsets[i]
                     if decay:
                         p.mul_(1 - lr * decay)
                     p.add_(mean[offset:offset + p.numel()].view_as(p).to(p.dtype), alpha=-lr)

@@ -2,8 +2,8 @@
 
 ``WORLD`` ops use a process set (default: all workers); ``NODE`` and ``CROSS`` ops use process sets
 of each node's ranks and of the ranks sharing a local rank, registered once on every rank (they need
-``hvd.init(process_sets="dynamic")`` and equal nodes). Implements
-``hvdcomp.exchange.protocol.Transport``.
+``hvd.init(process_sets="dynamic")`` and equal nodes). ``equal_nodes`` costs one all-gather, at its
+first read. Implements ``hvdcomp.exchange.protocol.Transport``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class HorovodTransport:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self._local: hvd.ProcessSet | None = None
         self._cross: hvd.ProcessSet | None = None
+        self._equal_nodes: bool | None = None
 
     size = property(lambda self: self.process_set.size())
     rank = property(lambda self: self.process_set.rank())
@@ -68,6 +69,16 @@ class HorovodTransport:
     local_rank = property(lambda self: hvd.local_rank())
     cross_size = property(lambda self: hvd.cross_size())
     cross_rank = property(lambda self: hvd.cross_rank())
+
+    @property
+    def equal_nodes(self) -> bool:
+        """Whether ``local_size`` and ``cross_size`` are the same on every worker of the process set:
+        agreed by an all-gather over it at the first read (every worker must read it), then cached."""
+        if self._equal_nodes is None:
+            sizes = hvd.allgather(torch.tensor([[hvd.local_size(), hvd.cross_size()]]), name="hvdcomp.equal_nodes",
+                                  process_set=self.process_set)
+            self._equal_nodes = bool((sizes == sizes[0]).all())
+        return self._equal_nodes
 
     def _group(self, op: Op) -> hvd.ProcessSet:
         if op.scope is Scope.WORLD:

@@ -42,6 +42,7 @@ class MPITransport:
     local_rank = property(lambda self: self.local_comm.Get_rank())
     cross_size = property(lambda self: self.cross_comm.Get_size())
     cross_rank = property(lambda self: self.cross_comm.Get_rank())
+    equal_nodes = True  # the constructor refuses unequal nodes on every rank
 
     def _comm(self, op: Op) -> Any:
         if op.scope is Scope.NODE:
