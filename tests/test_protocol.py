@@ -1,11 +1,11 @@
-"""One-process tests of the max-norm schemes: unbiasedness, variance bounds, agreement, edge cases."""
+"""One-process tests of the element-wise codecs: unbiasedness, variance bounds, agreement, edge cases."""
 
 import pytest
 import torch
 
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.selection import RandomCoordinateSelector
-from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
+from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
 from hvdcomp.exchange.protocol import Op
 from hvdcomp.exchange.simulator import simulate
 
@@ -143,6 +143,22 @@ def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
         assert torch.isnan(out).all()
     for scheme, old in zip(schemes, before):
         assert torch.equal(scheme.memory.residual("p", torch.ones(4)), old)
+
+
+def test_fp16_error_feedback_keeps_memory_on_nonfinite_steps():
+    """A step whose float16 sum overflows on one worker leaves every worker's residual as it was."""
+    codecs = [FP16(error_feedback=True) for _ in range(2)]
+    grads = [torch.tensor([0.1, 1 / 3, -2.0, 1e-4]), torch.tensor([0.2, 0.7, 1.1, -3e-4])]
+    simulate([c.exchange(g, [4], "b", 0, 2) for c, g in zip(codecs, grads)])
+    before = [c.memory.residual("b", grads[0]).clone() for c in codecs]
+    assert all(bool(r.abs().sum() > 0) for r in before)  # rounding to float16 lost something
+    overflow = [grads[0], grads[1] * torch.tensor([1.0, 1e6, 1.0, 1.0])]
+    outputs = simulate([c.exchange(g, [4], "b", 1, 2) for c, g in zip(codecs, overflow)])
+    assert all(not bool(torch.isfinite(out).all()) for out in outputs)
+    for codec, old in zip(codecs, before):
+        assert torch.equal(codec.memory.residual("b", grads[0]), old)
+    outputs = simulate([c.exchange(g, [4], "b", 2, 2) for c, g in zip(codecs, grads)])  # and later steps work
+    assert torch.equal(outputs[0], outputs[1]) and bool(torch.isfinite(outputs[0]).all())
 
 
 @pytest.mark.parametrize("numel", [0, 1])

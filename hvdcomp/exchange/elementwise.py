@@ -42,7 +42,9 @@ class FP16(ElementwiseCodec):
     """All-reduce in float16 (Horovod's fp16 compression): one ``Op.SUM`` of 16 bits per element.
 
     With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
-    Values beyond float16's range become Inf, as with Horovod's own fp16 compression.
+    Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose
+    sum holds NaN/Inf (the same on every worker; ``torch.amp.GradScaler`` then skips it) leaves the
+    memory as it was.
     """
 
     def __init__(self, error_feedback: bool = False) -> None:
@@ -51,13 +53,15 @@ class FP16(ElementwiseCodec):
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
         if self.memory is None:
-            half = flat.half()
-        else:  # the residual buffer holds gradient + residual, then what rounding to float16 lost
-            residual = self.memory.residual(key, flat)
-            half = residual.add_(flat).half()
-            residual.sub_(half)
+            total = yield Op.SUM, flat.half()
+            return total.float().div_(world_size)
+        residual = self.memory.residual(key, flat)
+        half = torch.add(residual, flat, out=torch.empty_like(flat, dtype=torch.float16))  # rounded once
         total = yield Op.SUM, half
-        return total.float().div_(world_size)
+        mean = total.float().div_(world_size)
+        if bool(torch.isfinite(mean).all()):  # the residual becomes what rounding to float16 lost
+            residual.add_(flat).sub_(half)
+        return mean
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.memory is None else self.memory.state_dict()
