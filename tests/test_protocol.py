@@ -1,11 +1,13 @@
-"""One-process tests of the max-norm schemes: unbiasedness, variance bounds, agreement, edge cases."""
+"""One-process tests of the element-wise codecs: unbiasedness, variance bounds, agreement, edge cases."""
 
 import pytest
 import torch
 
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.selection import RandomCoordinateSelector
-from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
+from hvdcomp.exchange.bucket import Segments
+from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
+from hvdcomp.exchange.hierarchy import hierarchical_elementwise
 from hvdcomp.exchange.protocol import Op
 from hvdcomp.exchange.simulator import simulate
 
@@ -145,6 +147,22 @@ def test_nonfinite_on_one_worker_gives_nan_everywhere_and_keeps_memory():
         assert torch.equal(scheme.memory.residual("p", torch.ones(4)), old)
 
 
+def test_fp16_error_feedback_keeps_memory_on_nonfinite_steps():
+    """A step whose float16 sum overflows on one worker leaves every worker's residual as it was."""
+    codecs = [FP16(error_feedback=True) for _ in range(2)]
+    grads = [torch.tensor([0.1, 1 / 3, -2.0, 1e-4]), torch.tensor([0.2, 0.7, 1.1, -3e-4])]
+    simulate([c.exchange(g, [4], "b", 0, 2) for c, g in zip(codecs, grads)])
+    before = [c.memory.residual("b", grads[0]).clone() for c in codecs]
+    assert all(bool(r.abs().sum() > 0) for r in before)  # rounding to float16 lost something
+    overflow = [grads[0], grads[1] * torch.tensor([1.0, 1e6, 1.0, 1.0])]
+    outputs = simulate([c.exchange(g, [4], "b", 1, 2) for c, g in zip(codecs, overflow)])
+    assert all(not bool(torch.isfinite(out).all()) for out in outputs)
+    for codec, old in zip(codecs, before):
+        assert torch.equal(codec.memory.residual("b", grads[0]), old)
+    outputs = simulate([c.exchange(g, [4], "b", 2, 2) for c, g in zip(codecs, grads)])  # and later steps work
+    assert torch.equal(outputs[0], outputs[1]) and bool(torch.isfinite(outputs[0]).all())
+
+
 @pytest.mark.parametrize("numel", [0, 1])
 def test_empty_and_single_element(numel):
     for bits in [(4,), (2, 6)]:
@@ -207,6 +225,85 @@ def test_sparse_segments_count_the_selected_elements():
     out = simulate([s.exchange(flat, [50, 50], 0, 0, 2) for s in schemes])[0]
     sent = out != 0
     assert torch.allclose(out[sent], flat[sent])  # exact at each tensor's own scale
+
+
+SIZES = [27, 35, 45]  # a bucket of three tensors; 2 shards cut the last one
+
+
+def _randk_workers(world_size, **selection):
+    return _workers(lambda: MaxNormCodec(MaxNormQuantizer((16,)), RandomCoordinateSelector(seed=3, **selection),
+                                         error_feedback=False), world_size)
+
+
+def _bucket_grads(world_size):
+    gen = torch.Generator().manual_seed(11)
+    return [0.5 + 0.5 * torch.rand(sum(SIZES), generator=gen) for _ in range(world_size)]
+
+
+def _sent_per_tensor(out):
+    return [int((piece != 0).sum()) for piece in out.split(SIZES)]
+
+
+def _hierarchical(codecs, grads, local_size, step=0):
+    def run(rank, codec, grad):
+        def shard(x, segments, shard_key, size):
+            return codec.exchange(x, segments, shard_key, step, size)
+
+        return hierarchical_elementwise(shard, grad.clone(), SIZES, "bucket0", local_size, rank % local_size,
+                                        len(codecs) // local_size)
+
+    return simulate([run(r, c, g) for r, (c, g) in enumerate(zip(codecs, grads))], local_size=local_size)
+
+
+def test_segments_say_where_a_shard_lies():
+    whole = Segments.of([3, 0, 4], "b")
+    assert list(whole) == [3, 4] and whole.pieces() == ((0, 0, 3), (2, 0, 4)) and whole.hi == 7
+    shard = Segments((3, 0, 4, 5), "b", 2, 9)
+    assert list(shard) == [1, 4, 2] and shard.pieces() == ((0, 2, 1), (2, 0, 4), (3, 0, 2))
+    assert Segments.of(shard, "other") is shard
+    with pytest.raises(ValueError):
+        Segments((3, 4), "b", 5, 8)
+
+
+@pytest.mark.parametrize("selection,expected", [({"k": 14}, [14, 14, 14]), ({"ratio": 0.2}, [5, 7, 9])])
+def test_randk_counts_per_tensor_in_a_bucket(selection, expected):
+    grads = _bucket_grads(2)
+    for step in range(3):
+        outputs = simulate([c.exchange(g, SIZES, "bucket0", step, 2)
+                            for c, g in zip(_randk_workers(2, **selection), grads)])
+        assert torch.equal(outputs[0], outputs[1])
+        assert _sent_per_tensor(outputs[0]) == expected
+        # without error feedback each tensor's sent mean is scaled by its own numel / k (unbiased)
+        mean, sent = torch.stack(grads).mean(0), outputs[0] != 0
+        factor = torch.cat([torch.full((n,), n / k) for n, k in zip(SIZES, expected)])
+        torch.testing.assert_close(outputs[0][sent], (mean * factor)[sent], rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("selection", [{"k": 14}, {"ratio": 0.2}])
+def test_randk_counts_per_tensor_across_shards(selection):
+    """2 nodes x 2 (and 2 nodes x 3): each shard sends the tensor's chosen coordinates that fall in it,
+    so every tensor sends the same coordinates as without sharding, identically on every worker."""
+    for local_size in (2, 3):
+        world_size = 2 * local_size
+        grads = _bucket_grads(world_size)
+        for step in range(3):
+            outputs = _hierarchical(_randk_workers(world_size, **selection), grads, local_size, step)
+            assert all(torch.equal(out, outputs[0]) for out in outputs)
+            flat = simulate([c.exchange(g, SIZES, "bucket0", step, world_size)
+                             for c, g in zip(_randk_workers(world_size, **selection), grads)])[0]
+            assert torch.equal(outputs[0] != 0, flat != 0)
+
+
+def test_k_larger_than_a_tensor_fails_on_every_shard_before_any_collective():
+    codecs = _workers(lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(k=30)), 4)
+    for rank, codec in enumerate(codecs):  # local rank 1's shard holds none of the 27-element tensor
+        exchange = hierarchical_elementwise(lambda x, segments, shard_key, size, codec=codec:
+                                            codec.exchange(x, segments, shard_key, 0, size),
+                                            torch.ones(sum(SIZES)), SIZES, "b", 2, rank % 2, 2)
+        with pytest.raises(ValueError, match="k=30 exceeds"):
+            next(exchange)
+    with pytest.raises(ValueError, match="k=30 exceeds"):
+        codecs[0].exchange(torch.ones(sum(SIZES)), SIZES, "b", 0, 2)
 
 
 def test_simulate_group_collectives():

@@ -36,7 +36,7 @@ class RandomCoordinateSelector:
         """Coordinates chosen from a tensor of ``numel`` elements; ``ValueError`` if k > numel."""
         if self.k is not None:
             if self.k > numel:
-                raise ValueError(f"k={self.k} exceeds the tensor's {numel} elements")
+                raise ValueError(f"k={self.k} exceeds the {numel} elements of a tensor (k counts per tensor)")
             return self.k
         return max(1, round(self.ratio * numel))
 

@@ -3,7 +3,8 @@
 - ``protocol``: typed ops (``Op``, ``Scope``, ``Reduction``), the ``Transport`` and ``Topology``
   contracts, and ``drive``;
 - ``simulator``: W workers in one process (``simulate``);
-- ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``);
+- ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``,
+  ``Segments``);
 - ``elementwise``: ``NoCompression``, ``FP16``, ``MaxNormCodec``; ``powersgd``: ``PowerSGD``;
 - ``hierarchy``: node-local full precision, compressed shards across nodes;
 - ``onebit``: Birder's 1-bit exchanges; ``cost``: their cost model;
@@ -12,7 +13,7 @@
 Importable without Horovod or mpi4py; ``hvdcomp.transport`` carries the requests out.
 """
 
-from .bucket import BucketCodec, ElementwiseCodec, TensorCodec
+from .bucket import BucketCodec, ElementwiseCodec, Segments, TensorCodec
 from .elementwise import FP16, MaxNormCodec, NoCompression
 from .powersgd import PowerSGD
 from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive
@@ -31,6 +32,7 @@ __all__ = [
     "PowerSGD",
     "Reduction",
     "Scope",
+    "Segments",
     "Statistics",
     "TensorCodec",
     "Topology",

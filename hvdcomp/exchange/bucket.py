@@ -7,7 +7,8 @@ two kinds:
 
 - ``ElementwiseCodec``: works on the bucket's gradients concatenated into one float32 vector,
   element by element (per-tensor scales come from ``segments``), so it can run on any slice of the
-  vector: hierarchical exchanges give each local rank a shard.
+  vector: hierarchical exchanges give each local rank a shard, and pass a ``Segments`` that says
+  where it lies in the bucket (for per-tensor choices that must not depend on the sharding).
 - ``TensorCodec``: works on the list of gradients as tensors (e.g. PowerSGD's matrices);
   hierarchical exchanges give each local rank whole tensors.
 
@@ -21,11 +22,60 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .protocol import Exchange
+
+
+@dataclass(frozen=True)
+class Segments(Sequence[int]):
+    """Where an ``ElementwiseCodec``'s ``flat`` lies: elements ``[lo, hi)`` (default: all) of a bucket of
+    tensors of ``sizes`` elements, concatenated; tensor ``i`` is ``(key, i)`` on every worker (``key``
+    is the whole bucket's, the same in every shard).
+
+    As a sequence of ints: the sizes of the pieces of tensors in ``flat`` (tensors cut at ``lo`` and
+    ``hi``; empty pieces left out), which is what ``segments`` means to codecs that need no more.
+    """
+
+    sizes: tuple[int, ...]
+    key: Hashable
+    lo: int = 0
+    hi: int | None = None
+    _pieces: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
+    _lengths: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        total = sum(self.sizes)
+        hi = total if self.hi is None else self.hi
+        if min(self.sizes, default=0) < 0 or not 0 <= self.lo <= hi <= total:
+            raise ValueError(f"[{self.lo}, {self.hi}) is not a slice of a bucket of sizes {self.sizes[:8]}")
+        pieces, start = [], 0
+        for index, size in enumerate(self.sizes):
+            first, last = max(self.lo, start), min(hi, start + size)
+            if last > first:
+                pieces.append((index, first - start, last - first))
+            start += size
+        object.__setattr__(self, "hi", hi)
+        object.__setattr__(self, "_pieces", tuple(pieces))
+        object.__setattr__(self, "_lengths", tuple(length for _, _, length in pieces))
+
+    @classmethod
+    def of(cls, segments: Sequence[int], key: Hashable) -> Segments:
+        """``segments`` as a ``Segments``: plain sizes mean whole tensors of a bucket keyed ``key``."""
+        return segments if isinstance(segments, Segments) else cls(tuple(segments), key)
+
+    def pieces(self) -> tuple[tuple[int, int, int], ...]:
+        """``(tensor index, first element within the tensor, length)`` of each piece in ``flat``, in order."""
+        return self._pieces
+
+    def __getitem__(self, index: Any) -> Any:  # int -> int, slice -> tuple[int, ...]
+        return self._lengths[index]
+
+    def __len__(self) -> int:
+        return len(self._pieces)
 
 
 class BucketCodec(ABC):
@@ -51,7 +101,12 @@ class ElementwiseCodec(BucketCodec):
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
         """Exchange this worker's ``flat`` (float32 ``[n]``, the bucket's tensors concatenated;
-        ``segments`` their sizes, summing to ``n``). Returns float32 ``[n]``: the mean over the workers."""
+        ``segments`` their sizes, summing to ``n``: a list of whole tensors, or a ``Segments`` when
+        ``flat`` is a shard). Returns float32 ``[n]``: the mean over the workers.
+
+        The call may check the configuration against ``segments`` (every worker alike, before any
+        collective); ``flat``'s values are read only once the exchange runs (a hierarchical exchange
+        fills its shard after the node-local sum)."""
 
 
 class TensorCodec(BucketCodec):

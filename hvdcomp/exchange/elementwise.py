@@ -18,7 +18,7 @@ from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
-from .bucket import ElementwiseCodec
+from .bucket import ElementwiseCodec, Segments
 from .protocol import Exchange, Op
 from .simulator import simulate
 
@@ -42,7 +42,9 @@ class FP16(ElementwiseCodec):
     """All-reduce in float16 (Horovod's fp16 compression): one ``Op.SUM`` of 16 bits per element.
 
     With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
-    Values beyond float16's range become Inf, as with Horovod's own fp16 compression.
+    Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose
+    sum holds NaN/Inf (the same on every worker; ``torch.amp.GradScaler`` then skips it) leaves the
+    memory as it was.
     """
 
     def __init__(self, error_feedback: bool = False) -> None:
@@ -51,13 +53,15 @@ class FP16(ElementwiseCodec):
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
         if self.memory is None:
-            half = flat.half()
-        else:  # the residual buffer holds gradient + residual, then what rounding to float16 lost
-            residual = self.memory.residual(key, flat)
-            half = residual.add_(flat).half()
-            residual.sub_(half)
+            total = yield Op.SUM, flat.half()
+            return total.float().div_(world_size)
+        residual = self.memory.residual(key, flat)
+        half = torch.add(residual, flat, out=torch.empty_like(flat, dtype=torch.float16))  # rounded once
         total = yield Op.SUM, half
-        return total.float().div_(world_size)
+        mean = total.float().div_(world_size)
+        if bool(torch.isfinite(mean).all()):  # the residual becomes what rounding to float16 lost
+            residual.add_(flat).sub_(half)
+        return mean
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.memory is None else self.memory.state_dict()
@@ -78,7 +82,7 @@ class MaxNormCodec(ElementwiseCodec):
         selector: shared random coordinates to send each step, or ``None`` to send all.
         error_feedback: with a selector, keep the coordinates not sent in a per-worker memory that is
             added to the next gradient (default: nothing is lost, every replica applies the same
-            update). If ``False``, scale the sent mean by ``numel / k`` instead (unbiased).
+            update). If ``False``, scale each tensor's sent mean by its ``numel / k`` instead (unbiased).
         seed: with the rank (``bind_rank``), seeds this worker's rounding generators, so rounding is
             independent across workers; part of the configuration every worker must share.
     """
@@ -116,23 +120,58 @@ class MaxNormCodec(ElementwiseCodec):
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
                  word_bits: int = INT64_WORD_BITS) -> Exchange:
         """See ``ElementwiseCodec.exchange``; ``word_bits`` are the usable bits of a payload word
-        (fewer for float carriers). ``key`` also keys the error-feedback memory and coordinate sets. If
-        any worker's values hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory
-        is left unchanged."""
+        (fewer for float carriers). ``key`` also keys the error-feedback memory. If any worker's values
+        hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory is left unchanged.
+
+        With a selector, ``k`` (or ``ratio``) counts coordinates per tensor: tensor ``(key, i)`` of
+        ``Segments.of(segments, key)`` sends its own set, chosen over the whole tensor, so that a shard
+        sends the chosen coordinates that fall in it. ``ValueError`` at once, on every worker alike, if
+        ``k`` exceeds a non-empty tensor of the bucket."""
+        layout = Segments.of(segments, key)
+        if sum(layout) != flat.numel():
+            raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
+        if self.selector is not None:
+            for size in layout.sizes:
+                if size:
+                    self.selector.count(size)
+        return self._exchange(flat, layout, key, step, world_size, word_bits)
+
+    def _selection(self, layout: Segments, step: int, device: torch.device) -> tuple[torch.Tensor, list[int],
+                                                                                       torch.Tensor | None]:
+        """The coordinates of ``flat`` to send (sorted int64 on ``device``), how many fall in each piece of
+        ``layout``, and without error feedback per coordinate its tensor's ``numel / k`` (float32)."""
+        selector = self.selector
+        parts, counts, factors, offset = [], [], [], 0
+        for index, first, length in layout.pieces():
+            numel = layout.sizes[index]
+            chosen = selector.indices(numel, (layout.key, index), step)  # sorted, over the whole tensor
+            if length < numel:  # this piece holds [first, first + length) of the tensor
+                lo, hi = torch.searchsorted(chosen, torch.tensor([first, first + length])).tolist()
+                chosen = chosen[lo:hi]
+            parts.append(chosen + (offset - first))
+            counts.append(chosen.numel())
+            factors.append(numel / selector.count(numel))
+            offset += length
+        indices = torch.cat(parts).to(device)
+        if self.memory is not None:
+            return indices, counts, None
+        factor = torch.tensor(factors).repeat_interleave(torch.tensor(counts), output_size=indices.numel())
+        return indices, counts, factor.to(device)
+
+    def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
+                  word_bits: int) -> Exchange:
         quantizer = self.quantizer
         numel = flat.numel()
         generator = self.rounding_generator(flat.device)
-        indices = None
+        indices = factor = residual = None
         values = flat
-        residual = None
+        segments: Sequence[int] = layout
         if self.selector is not None and numel:
-            indices = self.selector.indices(numel, key, step, flat.device)
+            indices, segments, factor = self._selection(layout, step, flat.device)
             values = flat[indices]
             if self.memory is not None:
                 residual = self.memory.residual(key, flat)
                 values += residual[indices]
-            ends = torch.tensor(list(segments), device=indices.device).cumsum(0)
-            segments = torch.bincount(torch.searchsorted(ends, indices, right=True), minlength=len(segments)).tolist()
         groups = quantizer.scale_groups(values.numel(), segments)
 
         stats = yield Op.MAX, quantizer.local_stats(values, groups, source=flat if indices is not None else None)
@@ -157,7 +196,7 @@ class MaxNormCodec(ElementwiseCodec):
         mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
         if indices is not None:
             if self.memory is None:
-                mean.mul_(numel / indices.numel())
+                mean.mul_(factor)
             mean = torch.zeros(numel, dtype=torch.float32, device=flat.device).index_copy_(0, indices, mean)
         if nonfinite:
             mean.fill_(float("nan"))

@@ -7,7 +7,8 @@ with the workers of the same local rank on the other nodes (its ``WORLD`` collec
 bucket across nodes. An ``Op.LOCAL_ALLGATHER`` of the shards gives every worker the full mean.
 Nodes must have equal numbers of workers, so the mean of node means is the mean over all workers.
 
-- ``hierarchical_elementwise``: shards are slices of the flat vector (``shard_bounds``).
+- ``hierarchical_elementwise``: shards are slices of the flat vector (``shard_bounds``); the codec
+  learns where its slice lies in the bucket (``bucket.Segments``).
 - ``hierarchical_tensors``: shards are whole tensors, balanced by size (e.g. PowerSGD).
 
 ``shard_bounds`` is the one sharding rule of the project (Birder's 1-bit exchange uses it too):
@@ -20,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from .bucket import Segments
 from .protocol import Exchange, Op, relay
 
 
@@ -39,19 +41,8 @@ def shard_bounds(numel: int, shards: int, index: int) -> tuple[int, int]:
     return min(index * length, numel), min((index + 1) * length, numel)
 
 
-def slice_segments(segments: Sequence[int], lo: int, hi: int) -> list[int]:
-    """Sizes of the parts of consecutive ``segments`` that fall in [lo, hi)."""
-    out, start = [], 0
-    for size in segments:
-        part = min(hi, start + size) - max(lo, start)
-        if part > 0:
-            out.append(part)
-        start += size
-    return out
-
-
 def hierarchical_elementwise(
-    codec_exchange: Callable[[torch.Tensor, list[int], Hashable, int], Exchange],
+    codec_exchange: Callable[[torch.Tensor, Sequence[int], Hashable, int], Exchange],
     flat: torch.Tensor,
     segments: Sequence[int],
     key: Hashable,
@@ -59,14 +50,20 @@ def hierarchical_elementwise(
     local_rank: int,
     cross_size: int,
 ) -> Exchange:
-    """Hierarchical exchange of a flat float32 vector; returns the mean over all workers.
+    """Hierarchical exchange of a flat float32 vector (tensors of ``segments`` sizes); returns the mean
+    over all workers.
 
-    ``codec_exchange(shard, shard_segments, shard_key, world_size)`` builds the codec's exchange.
+    ``codec_exchange(shard, shard_segments, shard_key, world_size)`` builds the codec's exchange;
+    ``shard_segments`` is a ``Segments``: this shard's place in the bucket, keyed ``key`` (so the
+    codec can choose per tensor alike in every shard), and ``shard_key`` is ``(key, local_rank)``. It is
+    built before the first collective (its configuration checks fail on every worker alike), over
+    ``flat[lo:hi]``, which then receives the node mean: ``flat`` is scratch.
     """
-    node_sum = yield Op.LOCAL_SUM, flat
     lo, hi = shard_bounds(flat.numel(), local_size, local_rank)
-    shard = node_sum[lo:hi].div_(local_size)
-    inner = codec_exchange(shard, slice_segments(segments, lo, hi), (key, local_rank), cross_size)
+    shard = flat[lo:hi]
+    inner = codec_exchange(shard, Segments(tuple(segments), key, lo, hi), (key, local_rank), cross_size)
+    node_sum = yield Op.LOCAL_SUM, flat
+    torch.div(node_sum[lo:hi], local_size, out=shard)
     shard_mean = yield from across_nodes(inner)
     return (yield Op.LOCAL_ALLGATHER, shard_mean)
 

@@ -139,7 +139,8 @@ class Transport(Topology, Protocol):
 
     ``start`` begins a collective and returns a handle; ``name`` must be the same on every worker
     when several are in flight. ``poll`` says whether it has completed, ``wait`` returns its result
-    (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``.
+    (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``. A transport
+    reads the request's tensor and never writes it: exchanges may use it again after the result.
     ``blocking`` is True when ``start`` completes the collective before returning (collectives then
     pair by call order, so every worker must start them in the same order).
     """

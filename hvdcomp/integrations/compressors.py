@@ -162,7 +162,8 @@ class QSGDMaxNormMultiScale(MaxNormCompressor):
 
 
 class GlobalRandKMaxNorm(MaxNormCompressor):
-    """QSGD max-norm on ``k`` (or ``ratio * numel``) coordinates shared by all workers each step.
+    """QSGD max-norm on ``k`` (or ``ratio * numel``) coordinates of each tensor, shared by all workers each
+    step (per tensor here, in ``hvdcomp.DistributedOptimizer``'s buckets and in its hierarchical shards).
 
     The coordinate set comes from a dedicated generator seeded by (seed, tensor, step), never the
     global RNG. Coordinates not sent stay in a per-worker error-feedback memory (default), so nothing
