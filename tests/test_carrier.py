@@ -60,3 +60,16 @@ def test_unexpected_scaling_and_corrupt_carriers():
 def test_tags_are_small_and_positive():
     for seed in (0, 1, 2**62, 12345678901):
         assert 1 <= carrier.to_tag(seed) < 2**carrier.TAG_BITS
+
+
+def test_stamps_pass_agreeing_max_rounds_and_catch_disagreeing_ones_on_every_worker():
+    stats = [torch.tensor([0.5, 0.0]), torch.tensor([2.0, 1.0])]
+    agreed = torch.stack([carrier.stamp(s, 777) for s in stats]).amax(dim=0)
+    assert torch.equal(carrier.unstamp(agreed, 777), torch.tensor([2.0, 1.0]))
+    mixed = torch.stack([carrier.stamp(s, t) for s, t in zip(stats, (777, 778))]).amax(dim=0)
+    for tag in (777, 778):
+        with pytest.raises(carrier.CarrierMismatchError, match="different tensors.*see here"):
+            carrier.unstamp(mixed, tag, "; see here")
+    assert carrier.stamp(torch.zeros(0, dtype=torch.int64), 2**16 - 1).tolist() == [2**16 - 1, 1 - 2**16]
+    with pytest.raises(TypeError, match="float32"):
+        carrier.stamp(torch.zeros(2, dtype=torch.bfloat16), 5)

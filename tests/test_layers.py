@@ -26,7 +26,9 @@ from hvdcomp.exchange import (
     Traffic,
     Transport,
     drive,
+    drive_together,
 )
+from hvdcomp.exchange.protocol import single
 from hvdcomp.exchange.stats import counted
 
 PACKAGE = Path(hvdcomp.__file__).parent
@@ -157,6 +159,44 @@ def test_drive_runs_to_the_end_or_stops_at_an_op():
         exchange.send(words * 3)
     with pytest.raises(RuntimeError, match="without requesting"):
         drive(NoCompression().exchange(x, [9], "k", 0, 3), transport, until=Op.PAYLOAD)
+
+
+def test_drive_together_batches_each_round_into_one_collective():
+    xs = [torch.linspace(-1, 1, 9), torch.linspace(0, 3, 4).view(2, 2), torch.zeros(0), torch.tensor(0.5)]
+    codecs = [MaxNormCodec(hvdcomp.MaxNormQuantizer((3, 8))) for _ in range(2)]  # multi-scale: MAX, SUM, PAYLOAD
+    for codec in codecs:
+        codec.bind_rank(0)
+    together, alone = _EchoTransport(), _EchoTransport()
+    batched = [codecs[0].exchange(x.reshape(-1), [x.numel()], i, 0, 3) for i, x in enumerate(xs)]
+    words = drive_together(batched, together, until=Op.PAYLOAD)
+    assert together.ops == [Op.MAX, Op.SUM]  # one collective per round for all four exchanges
+    separate = [codecs[1].exchange(x.reshape(-1), [x.numel()], i, 0, 3) for i, x in enumerate(xs)]
+    expected = [drive(exchange, alone, until=Op.PAYLOAD) for exchange in separate]
+    assert alone.ops == [Op.MAX, Op.SUM] * len(xs)
+    for exchange, other, got, want, x in zip(batched, separate, words, expected, xs):
+        assert torch.equal(got, want)
+        results = []
+        for ex in (exchange, other):
+            with pytest.raises(StopIteration) as done:
+                ex.send(got * 3)
+            results.append(done.value.value)
+        assert torch.equal(results[0], results[1])
+        assert torch.allclose(results[0], x.reshape(-1), atol=float(x.abs().amax()) / 7 + 1e-6 if x.numel() else 0.0)
+    assert drive_together([], together, until=Op.PAYLOAD) == []
+
+
+def test_drive_together_refuses_what_it_cannot_batch():
+    transport = _EchoTransport()
+    one = torch.ones(2)
+    with pytest.raises(RuntimeError, match="different ops"):
+        drive_together([single(Op.MAX, one), single(Op.SUM, one)], transport, until=Op.PAYLOAD)
+    with pytest.raises(RuntimeError, match="without requesting"):
+        drive_together([single(Op.SUM, one), single(Op.SUM, one)], transport, until=Op.PAYLOAD)
+    with pytest.raises(ValueError, match="dtypes"):
+        drive_together([single(Op.SUM, one), single(Op.SUM, one.double())], transport, until=Op.PAYLOAD)
+    with pytest.raises(ValueError, match="ALLGATHER"):
+        drive_together([single(Op.LOCAL_ALLGATHER, one)], transport, until=Op.PAYLOAD)
+    assert transport.ops == [Op.SUM]  # only the two float32 SUMs that then finished too early
 
 
 def test_traffic_counts_by_scope_and_counted_times_the_codec():

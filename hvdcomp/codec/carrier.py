@@ -15,6 +15,10 @@ integer word sums (only a Sum, leaving ``W``, or an Average, leaving 1, is accep
 checks that every worker agreed: same world size, and the same ``tag`` (a hash of the compressor's
 configuration, tensor and step) — equal means of ``tag`` and ``tag**2`` imply all tags are equal.
 Any mismatch raises ``CarrierMismatchError``.
+
+The blocking MAX rounds before the payload get the same check through a *stamp*: ``stamp`` appends
+``[tag, -tag]`` to the request, and after the MAX ``unstamp`` reads back ``max(tag)`` and
+``-min(tag)``, equal to this worker's tag on every worker only if all tags are equal.
 """
 
 from __future__ import annotations
@@ -37,6 +41,26 @@ def word_bits(world_size: int) -> int:
 def to_tag(seed: int) -> int:
     """A tag in [1, 2**16) from any integer (tags must be small enough that sums of squares stay exact)."""
     return 1 + seed % (2**TAG_BITS - 1)
+
+
+def stamp(values: torch.Tensor, tag: int) -> torch.Tensor:
+    """1-D ``values`` followed by ``[tag, -tag]``, for a MAX all-reduce (float32, float64 or integer:
+    dtypes that hold the tag exactly)."""
+    if values.dtype not in (torch.float32, torch.float64) and values.dtype.is_floating_point:
+        raise TypeError(f"a stamp needs float32, float64 or integer values, got {values.dtype}")
+    return torch.cat([values.reshape(-1), torch.tensor([tag, -tag], dtype=values.dtype, device=values.device)])
+
+
+def unstamp(reduced: torch.Tensor, tag: int, hint: str = "") -> torch.Tensor:
+    """The MAX-reduced values of a ``stamp``; raises ``CarrierMismatchError`` (ending with ``hint``)
+    unless every worker stamped ``tag``, so every worker of a mismatched all-reduce raises."""
+    highest, negated_lowest = reduced[-2:].tolist()
+    if highest != tag or -negated_lowest != tag:
+        raise CarrierMismatchError(
+            f"workers reduced different tensors in one MAX all-reduce: tag {tag} here, tags from "
+            f"{-negated_lowest:g} to {highest:g} over the workers{hint}"
+        )
+    return reduced[:-2]
 
 
 def wrap(words: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The exchange layer: protocols of collective requests, built on ``hvdcomp.codec``'s math.
 
 - ``protocol``: typed ops (``Op``, ``Scope``, ``Reduction``), the ``Transport`` and ``Topology``
-  contracts, and ``drive``;
+  contracts, ``drive`` and ``drive_together``;
 - ``simulator``: W workers in one process (``simulate``);
 - ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``,
   ``Segments``);
@@ -16,7 +16,7 @@ Importable without Horovod or mpi4py; ``hvdcomp.transport`` carries the requests
 from .bucket import BucketCodec, ElementwiseCodec, Segments, TensorCodec
 from .elementwise import FP16, MaxNormCodec, NoCompression
 from .powersgd import PowerSGD
-from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive
+from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive, drive_together
 from .simulator import simulate
 from .stats import Statistics, Traffic
 
@@ -39,5 +39,6 @@ __all__ = [
     "Traffic",
     "Transport",
     "drive",
+    "drive_together",
     "simulate",
 ]

@@ -3,6 +3,7 @@
 An *exchange* is a generator run identically on every worker: it yields ``(op, tensor)`` requests,
 receives each collective's result through ``send``, and returns its result (e.g. the averaged
 gradient). Any transport can carry it out: ``drive`` runs one to its end with blocking collectives,
+``drive_together`` runs several of one worker up to an op with one collective per round,
 ``hvdcomp.exchange.simulator.simulate`` runs W workers in lockstep in one process, and the
 optimizer overlaps several with backward through ``Transport.start`` / ``poll`` / ``wait``.
 
@@ -21,7 +22,7 @@ Workers are laid out node by node: rank ``r`` is local rank ``r % local_size`` o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
@@ -171,6 +172,47 @@ def drive(exchange: Exchange, transport: Transport, until: Op | None = None) -> 
             raise RuntimeError(f"the exchange finished without requesting {until}") from None
         return done.value
     return tensor
+
+
+def advance(exchange: Exchange, result: torch.Tensor | None) -> Request | StopIteration:
+    """``exchange``'s next request after ``result`` (``None``: its first request), or the
+    ``StopIteration`` that carries its return value once it has finished."""
+    try:
+        return next(exchange) if result is None else exchange.send(result)
+    except StopIteration as done:
+        return done
+
+
+def drive_together(exchanges: Sequence[Exchange], transport: Transport, until: Op) -> list[torch.Tensor]:
+    """Run ``exchanges`` in lockstep with one blocking collective per round, up to their ``until``
+    request; return the tensor of each one's ``until`` request (as ``drive(exchange, transport, until)``
+    would, each exchange then waits for that collective's result).
+
+    In each round every exchange must ask for the same op, with tensors of one dtype and device (the
+    exchanges of one codec do): they are flattened, concatenated in the order of ``exchanges`` into
+    one collective, and each exchange receives its own slice, in its request's shape. Every worker
+    must pass its exchanges in the same order. ``ALLGATHER`` ops are refused (their results interleave
+    the workers); so is an exchange that finishes or asks for a different op than the others.
+    """
+    requests = [advance(exchange, None) for exchange in exchanges]
+    while True:
+        if any(isinstance(request, StopIteration) for request in requests):
+            raise RuntimeError(f"an exchange finished without requesting {until}")
+        ops = {op for op, _ in requests}
+        if ops <= {until}:
+            return [tensor for _, tensor in requests]
+        if len(ops) != 1:
+            raise RuntimeError(f"exchanges driven together asked for different ops: {sorted(op.name for op in ops)}")
+        op = ops.pop()
+        if op.reduction is Reduction.ALLGATHER:
+            raise ValueError(f"drive_together cannot batch {op}: its result interleaves the workers' tensors")
+        tensors = [tensor for _, tensor in requests]
+        if len({(tensor.dtype, tensor.device) for tensor in tensors}) != 1:
+            raise ValueError(f"exchanges driven together asked for {op} of different dtypes or devices")
+        reduced = transport.collective(op, torch.cat([tensor.reshape(-1) for tensor in tensors]))
+        parts = reduced.split([tensor.numel() for tensor in tensors])
+        requests = [advance(exchange, part.view(tensor.shape))
+                    for exchange, part, tensor in zip(exchanges, parts, tensors)]
 
 
 def single(op: Op, tensor: torch.Tensor) -> Exchange:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .protocol import Exchange, Op, Reduction, Scope
+from .protocol import Exchange, Op, Reduction, Scope, advance
 
 
 def _group_of(op: Op, rank: int, local_size: int) -> int:
@@ -26,13 +26,6 @@ def _reduce(op: Op, tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors).sum(dim=0)
 
 
-def _advance(exchange: Exchange, result: torch.Tensor | None) -> object:
-    try:
-        return next(exchange) if result is None else exchange.send(result)
-    except StopIteration as done:
-        return done
-
-
 def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> list[object]:
     """Drive one exchange per worker in lockstep; return each worker's result.
 
@@ -43,7 +36,7 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
     local_size = local_size or world_size
     if world_size % local_size:
         raise ValueError(f"{world_size} workers do not fill nodes of {local_size}")
-    requests = [_advance(exchange, None) for exchange in exchanges]
+    requests = [advance(exchange, None) for exchange in exchanges]
     while True:
         if all(isinstance(r, StopIteration) for r in requests):
             return [r.value for r in requests]
@@ -62,4 +55,4 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
         for members in groups.values():
             result = _reduce(op, [requests[rank][1] for rank in members])
             reduced.update({rank: result for rank in members})
-        requests = [_advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]
+        requests = [advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]

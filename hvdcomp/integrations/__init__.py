@@ -2,6 +2,7 @@
 
 - ``compressors``: Horovod ``Compressor`` objects for the stock ``hvd.DistributedOptimizer``
   (``QSGDMaxNorm``, ...) and ``bucket_codec``, which maps ``compression=`` to a bucket codec;
+- ``stock_names``: which gradient the stock optimizer is compressing, read from Horovod's frames;
 - ``optimizer``: ``DistributedOptimizer``, bucketed and overlapped, optionally hierarchical;
 - ``birder``: ``Birder``, the 1-bit adaptive optimizer that exchanges its own updates.
 """

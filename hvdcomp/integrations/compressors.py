@@ -9,16 +9,27 @@ with the optimizer's op (Sum or Average, predivide factor allowed). ``decompress
 makes of the workers' dequantized gradients (their mean or sum), identical on every worker, in the
 gradient's shape and dtype.
 
-Gradients are identified by their order within a step (a step ends when Horovod starts
-decompressing), so every worker must produce its gradients in the same order, as Horovod's own
-unnamed collectives also require; a disagreement raises ``CarrierMismatchError``.
+Gradients are identified by Horovod's own name for them (read from the optimizer's frames, see
+``stock_names``), which keys their error-feedback memory, coordinate sets, step counts and carrier
+tag. The blocking rounds inside ``compress`` pair by call order: during backward the hooks call it in
+backward order, the same on every worker; the parameters Horovod compresses later in
+``synchronize()`` (those without a gradient this step, zero-filled, in an order that differs between
+workers) are exchanged together at the first one's ``compress``, in name order, one collective per
+round (``drive_together``). So every worker must compute gradients for the same parameters in a
+step; a parameter used on some workers only needs ``hvdcomp.DistributedOptimizer``. Every blocking
+MAX is stamped with the gradient's key and step (``carrier.stamp``), so workers that pair different
+gradients all raise ``CarrierMismatchError`` rather than mix their scales (the carrier's tag then
+checks the configuration too). Called outside Horovod's optimizer
+(e.g. directly), ``compress`` identifies a gradient by its position within the step (a step ends when
+decompressing starts), so every worker must compress its gradients in the same order.
 If any worker's gradient holds NaN/Inf, every worker gets an all-NaN result for that tensor (as an
 uncompressed all-reduce would; ``torch.amp.GradScaler`` then skips the step) and a warning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +43,16 @@ from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
 from ..exchange.bucket import BucketCodec
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
-from ..exchange.protocol import Exchange, Op, drive, relay
+from ..exchange.protocol import Exchange, Op, drive, drive_together, relay
 from ..exchange.stats import Statistics, Traffic, counted
 from ..transport.horovod import HorovodTransport
+from .stock_names import StockCall, stock_call
 
 
 @dataclass
 class _Context:
     exchange: Exchange
+    key: Hashable
     shape: torch.Size
     dtype: torch.dtype
     world_size: int
@@ -71,60 +84,90 @@ class MaxNormCompressor(Compressor):
         self.codec = codec
         self.transport = HorovodTransport(process_set)
         self.stats = Statistics()
-        self._step = 0
-        self._index_in_step = 0
-        self._decompressed = False
-
-    def _next_key(self) -> tuple[int, int]:
-        if self._decompressed:
-            self._step += 1
-            self._index_in_step = 0
-            self._decompressed = False
-        if self._index_in_step == 0:
-            self.stats.begin_step()
-            self.stats.steps += 1
-        key = (self._step, self._index_in_step)
-        self._index_in_step += 1
-        return key
+        self._steps: dict[Hashable, int] = {}  # exchanges so far, per gradient key
+        self._index_in_step = 0  # the next position, for calls from outside Horovod's optimizer
+        self._step_open = False  # False until a step's first compress, and again after a decompress
+        self._missing: tuple[object, dict[str, tuple[torch.Tensor, _Context]]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: the codec's state and the step counters."""
-        return {"codec": self.codec.state_dict(), "step": self._step, "index_in_step": self._index_in_step,
-                "decompressed": self._decompressed}
+        return {"codec": self.codec.state_dict(), "steps": dict(self._steps), "index_in_step": self._index_in_step,
+                "step_open": self._step_open}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.codec.load_state_dict(state["codec"])
-        self._step, self._index_in_step = state["step"], state["index_in_step"]
-        self._decompressed = state["decompressed"]
+        self._steps, self._index_in_step = dict(state["steps"]), state["index_in_step"]
+        self._step_open = state["step_open"]
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
+        """Exchange ``tensor``'s blocking rounds; return its float64 carrier and the context for
+        ``decompress`` (see the module docstring for how gradients are identified and paired)."""
+        call = stock_call(sys._getframe(1))
+        if not self._step_open:
+            self._step_open = True
+            self._index_in_step = 0
+            self.stats.begin_step()
+            self.stats.steps += 1
+        if call is not None and call.loop is not None:
+            return self._compress_missing(call, tensor)
+        if call is not None:
+            key: Hashable = call.name
+        else:
+            key, self._index_in_step = self._index_in_step, self._index_in_step + 1
+        ctx = self._start(tensor, key)
+        return drive(ctx.exchange, self.transport, until=Op.PAYLOAD), ctx
+
+    def _compress_missing(self, call: StockCall, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
+        """One of ``synchronize()``'s missing gradients: the loop's first call exchanges all of them (in
+        name order, one collective per round); each call returns its own carrier."""
+        if self._missing is None or self._missing[0] is not call.loop:
+            contexts = [self._start(grad, name) for name, grad in call.missing()]
+            payloads = drive_together([ctx.exchange for ctx in contexts], self.transport, Op.PAYLOAD)
+            self._missing = (call.loop, {ctx.key: (payload, ctx) for payload, ctx in zip(payloads, contexts)})
+        prepared = self._missing[1].pop(call.name, None)
+        if not self._missing[1]:
+            self._missing = None
+        if prepared is None or prepared[1].shape != tensor.shape:
+            raise RuntimeError(f"hvdcomp: Horovod's synchronize() compressed {call.name!r} unexpectedly")
+        return prepared
+
+    def _start(self, tensor: torch.Tensor, key: Hashable) -> _Context:
+        """The context of a new exchange of ``tensor`` as gradient ``key``, its exchange not yet started."""
         flat = _flat_float(tensor)
-        step, index = self._next_key()
+        step = self._steps.get(key, 0)
+        self._steps[key] = step + 1
         transport = self.transport
         world_size = transport.size
         self.codec.bind_rank(transport.rank)
         tag = carrier.to_tag(stable_seed(type(self).__name__, self.codec.config(), self.codec.seed, world_size,
-                                         flat.numel(), step, index))
+                                         flat.numel(), step, key))
+        stamp = carrier.to_tag(stable_seed("stamp", world_size, flat.numel(), step, key))  # which gradient
         traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
-        ctx = _Context(None, tensor.shape, tensor.dtype, world_size, traffic)
+        ctx = _Context(None, key, tensor.shape, tensor.dtype, world_size, traffic)
+        hint = (f" (here gradient {key!r}, exchange {step}): every worker must compress the same gradients "
+                "in each step; with hvd.DistributedOptimizer, a parameter used on some workers only needs "
+                "hvdcomp.DistributedOptimizer")
 
         def wrap(op: Op, request: torch.Tensor) -> tuple[Op, torch.Tensor]:
-            return op, carrier.wrap(request, world_size, tag) if op is Op.PAYLOAD else request
+            if op is Op.PAYLOAD:
+                return op, carrier.wrap(request, world_size, tag)
+            return op, carrier.stamp(request, stamp) if op is Op.MAX else request
 
         def unwrap(op: Op, reduced: torch.Tensor) -> torch.Tensor:
+            if op is Op.MAX:
+                return carrier.unstamp(reduced, stamp, hint)
             if op is not Op.PAYLOAD:
                 return reduced
             word_sums, ctx.averaged = carrier.unwrap(reduced, world_size, tag)
             return word_sums
 
-        inner = self.codec.exchange(flat, [flat.numel()], index, step, world_size, carrier.word_bits(world_size))
+        inner = self.codec.exchange(flat, [flat.numel()], key, step, world_size, carrier.word_bits(world_size))
         ctx.exchange = counted(relay(inner, wrap, unwrap), traffic, transport)
-        payload = drive(ctx.exchange, transport, until=Op.PAYLOAD)
-        return payload, ctx
+        return ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: _Context) -> torch.Tensor:
         """The mean of the workers' dequantized gradients if Horovod averaged, their sum if it summed."""
-        self._decompressed = True
+        self._step_open = False
         try:
             ctx.exchange.send(tensor)
         except StopIteration as done:

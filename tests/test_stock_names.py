@@ -1,0 +1,121 @@
+"""The stock hvd.DistributedOptimizer path identifies gradients by Horovod's own names.
+
+``hvdcomp.integrations.stock_names`` reads them from Horovod's frames; these tests fail loudly if the
+installed Horovod no longer has the code or locals it reads, and check on the real optimizer (one
+process, then two workers) that state is keyed by name and that synchronize()'s missing gradients
+are exchanged together.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hvdcomp.integrations import stock_names
+from tests.harness import run_function
+
+
+def test_the_pinned_horovod_has_the_code_and_locals_read():
+    assert stock_names.HOROVOD_OPTIMIZER_MODULE == "horovod.torch.optimizer"
+    assert None not in (stock_names.SINGLE, stock_names.GROUPED, stock_names.SYNCHRONIZE)
+    assert {"self", "p", "name"} <= set(stock_names.SINGLE.co_varnames)
+    assert {"missing_p", "p"} <= set(stock_names.SYNCHRONIZE.co_varnames)
+    assert "compress" in stock_names.SINGLE.co_names and "_parameter_names" in stock_names.SINGLE.co_names
+    assert "_allreduce_grad_async" in stock_names.SYNCHRONIZE.co_names
+    comprehension = [c for c in stock_names.GROUPED.co_consts if hasattr(c, "co_varnames")]
+    grouped_names = {n for code in (stock_names.GROUPED, *comprehension) for n in code.co_varnames + code.co_names}
+    assert {"self", "p", "compress"} <= grouped_names
+
+
+def test_calls_from_elsewhere_are_not_identified_and_unknown_horovod_code_fails_loudly():
+    assert stock_names.stock_call(sys._getframe()) is None
+    namespace = {"__name__": stock_names.HOROVOD_OPTIMIZER_MODULE, "sys": sys, "stock_call": stock_names.stock_call}
+    exec(compile("def compress_site():\n    return stock_call(sys._getframe())\n", "<horovod>", "exec"), namespace)
+    with pytest.raises(RuntimeError, match="compress was called from compress_site.*Horovod 0.28.1"):
+        namespace["compress_site"]()
+
+
+_ONE_PROCESS = textwrap.dedent("""
+    import os, pickle, sys
+    import horovod.torch as hvd, torch, hvdcomp
+
+    hvd.init()
+
+    def run(compression, groups=None):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({name: torch.nn.Linear(3, 3) for name in ("trunk", "h1", "h2", "h3")})
+        os.environ["HOROVOD_ELASTIC"] = "1"  # Horovod registers its hooks on one worker too
+        try:
+            optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 named_parameters=model.named_parameters(),
+                                                 compression=compression, groups=groups)
+        finally:
+            del os.environ["HOROVOD_ELASTIC"]
+        transport, calls = compression.transport, []
+        collective = transport.collective
+        transport.collective = lambda op, t: calls.append((op.name, t.numel())) or collective(op, t)
+        for step in range(2):
+            optimizer.zero_grad()
+            head = model["h1"] if step == 0 else model["h2"]
+            head(torch.tanh(model["trunk"](torch.ones(4, 3)))).sum().backward()
+            optimizer.step()
+        memory = compression.codec.memory
+        return {"steps": compression._steps, "calls": calls,
+                "memory": None if memory is None else sorted(memory.state_dict()["residuals"])}
+
+    out = {"plain": run(hvdcomp.QSGDMaxNormMultiScale((3, 8))),
+           "randk": run(hvdcomp.GlobalRandKMaxNorm(ratio=0.5)),
+           "groups": run(hvdcomp.QSGDMaxNorm(8), groups=2)}
+    sys.stdout.buffer.write(pickle.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_stock_optimizer_keys_state_by_name_and_batches_missing_gradients():
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    import pickle
+
+    out = pickle.loads(done.stdout)
+    names = {f"{module}.{kind}" for module in ("trunk", "h1", "h2", "h3") for kind in ("weight", "bias")}
+    for run in out.values():
+        assert run["steps"] == dict.fromkeys(names, 2)  # every gradient exchanged once a step, by name
+    assert out["randk"]["memory"] == sorted(names)
+    # multi-scale: per used gradient a MAX (1 scale + NaN flag + 2 stamp values) and a SUM of agreement
+    # words; then the four missing gradients (two unused heads) in one MAX and one SUM
+    calls = out["plain"]["calls"]
+    assert [op for op, _ in calls] == ["MAX", "SUM"] * 5 + ["MAX", "SUM"] * 5
+    assert calls[8] == ("MAX", 4 * 4) and calls[18] == ("MAX", 4 * 4)
+    # groups=2 ([trunk, h1], [h2, h3]): step 0 compresses the complete first group in its hook (a MAX each,
+    # read from the comprehension's frame), the unused second group in synchronize() (one MAX); step 1
+    # has no complete group: h1 and h3 are missing (one MAX), trunk and h2 follow one by one
+    assert out["groups"]["calls"] == [("MAX", 4)] * 4 + [("MAX", 16)] * 2 + [("MAX", 4)] * 4
+
+
+def _branch_worker():
+    """Rank 0 uses branch ``a``, rank 1 branch ``b``: unsupported on the stock optimizer. Every rank must
+    raise CarrierMismatchError (not hang, not silently mix the two branches' scales)."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvdcomp
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4) for name in ("trunk", "a", "b", "out")})
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), compression=hvdcomp.QSGDMaxNorm(8))
+    branch = model["a"] if hvd.rank() == 0 else model["b"]
+    try:
+        model["out"](branch(model["trunk"](torch.ones(2, 4)))).sum().backward()
+        optimizer.step()
+    except hvdcomp.CarrierMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_stock_optimizer_with_a_parameter_used_on_one_rank_only_raises_on_every_rank():
+    results = run_function(_branch_worker, np=2, timeout=60)
+    for message in results:
+        assert "different tensors" in message and "hvdcomp.DistributedOptimizer" in message, message
