@@ -13,10 +13,8 @@ The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, mas
 
 **Routes.** ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
-otherwise ``one_bit_mean`` sums the workers' bits in ``bit_length(W)``-bit lanes through ``Op.SUM``
-(with one node, or one worker per node, the node-local or cross-node collectives would need a Horovod
-process set equal to the global one, which Horovod refuses to add). ``route`` says which ran last:
-``"hierarchical:allgather"``, ``"hierarchical:sum"`` or ``"world:sum"``.
+otherwise ``one_bit_mean`` sums the workers' bits in ``bit_length(W)``-bit lanes through ``Op.SUM``.
+``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"`` or ``"world:sum"``.
 
 **Masking.** An element is *active* once some worker has seen a non-zero gradient for it. The agreed
 ``active`` mask (identical on every rank) costs nothing per step beyond the ``Op.MAX`` of ``4 + P``
@@ -68,6 +66,7 @@ from ..exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
+from .parity import called_by_broadcast_optimizer_state
 
 _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
 
@@ -252,7 +251,10 @@ class Birder(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Birder step over the transport (every worker must call it); returns ``closure()``'s loss."""
+        """One Birder step over the transport (every worker must call it); returns ``closure()``'s loss.
+        Nothing happens when ``hvd.broadcast_optimizer_state`` calls it (Birder's state needs no first step)."""
+        if called_by_broadcast_optimizer_state():
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():

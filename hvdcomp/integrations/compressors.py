@@ -165,8 +165,11 @@ class MaxNormCompressor(Compressor):
         ctx.exchange = counted(relay(inner, wrap, unwrap), traffic, transport)
         return ctx
 
-    def decompress(self, tensor: torch.Tensor, ctx: _Context) -> torch.Tensor:
-        """The mean of the workers' dequantized gradients if Horovod averaged, their sum if it summed."""
+    def decompress(self, tensor: torch.Tensor, ctx: _Context | None) -> torch.Tensor:
+        """The mean of the workers' dequantized gradients if Horovod averaged, their sum if it summed.
+        With ``ctx=None`` (what Horovod passes after reducing a sparse gradient itself) ``tensor`` as it is."""
+        if ctx is None:
+            return tensor
         self._step_open = False
         try:
             ctx.exchange.send(tensor)

@@ -1,7 +1,7 @@
 """``hvdcomp.DistributedOptimizer``: bucketed, overlapped, optionally hierarchical compressed exchange.
 
 A drop-in for ``hvd.DistributedOptimizer``: the same arguments in the same order (``groups`` and
-``num_groups`` choose the buckets; sparse gradients are exchanged dense), ``synchronize()``,
+``num_groups`` choose the buckets; ``sparse_as_dense`` as in Horovod), ``synchronize()``,
 ``skip_synchronize()``, ``_parameter_names``, the same warnings and errors. Gradients are grouped into
 buckets (``buckets``). When every gradient of a bucket has been accumulated
 ``backward_passes_per_step`` times, the bucket's exchange starts asynchronously; its later rounds are
@@ -28,17 +28,13 @@ total. ``state_dict()`` carries the codec's state.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 import warnings
-import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any
 
 import horovod.torch as hvd
-import horovod.torch.functions as hvd_functions
 import torch
 
 from ..codec.seeding import stable_seed
@@ -50,45 +46,16 @@ from ..exchange.stats import Statistics
 from ..transport.horovod import HorovodTransport
 from .buckets import Bucket, check_groups, parameter_names, plan_buckets
 from .compressors import bucket_codec
+from .parity import (
+    STEP_AFTER_SYNCHRONIZE,
+    attach_weak_hooks,
+    called_by_broadcast_optimizer_state,
+    remove_hooks,
+    warn_about_horovod_hierarchy,
+)
 
 DEFAULT_BUCKET_MB = 25.0
-STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchronize() context after "
-                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
-                          "code.")  # Horovod's own text
 _ORDINALS: dict[int, int] = {}  # optimizers created in this process per set of parameter names
-
-
-def _weak_hook(optimizer: Any) -> Any:
-    """A gradient hook that does not keep ``optimizer`` alive: a dropped optimizer stops exchanging."""
-    ref = weakref.ref(optimizer)
-
-    def hook(p: torch.nn.Parameter) -> None:
-        live = ref()
-        if live is not None:
-            live._on_gradient(p)
-
-    return hook
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
-def _called_by_broadcast_optimizer_state() -> bool:
-    """Whether Horovod's ``broadcast_optimizer_state`` called ``step()`` (through torch's step wrappers) to
-    initialise an empty state: it does so on the ranks whose state is empty only, and skips the exchange
-    for its own optimizers, so ours must too."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_code is hvd_functions.broadcast_optimizer_state.__code__:
-            return True
-        frame = frame.f_back
-    return False
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -126,6 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._average = op == hvd.Average
         self._sparse_as_dense = bool(sparse_as_dense)
         self._warned_sparse = False
+        self._sparse: dict[torch.nn.Parameter, Any] = {}  # Horovod's sparse all-reduces in flight
         self._hierarchical = hierarchical
         self._synchronized = False
         self._should_synchronize = True
@@ -141,10 +109,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         self._codec = bucket_codec(compression)
         self._codec.bind_rank(self._transport.rank)
-        if hierarchical and self._transport.local_size * self._transport.cross_size != self._transport.size:
-            raise ValueError("hierarchical=True needs equal nodes covering all workers (local_size * cross_size "
-                             "== size); use the global process set")
-        _warn_about_horovod_hierarchy()
+        if hierarchical and not (self._transport.equal_nodes and self._transport.local_size
+                                 * self._transport.cross_size == self._transport.size):
+            raise ValueError("hierarchical=True needs the same number of workers on every node, the nodes covering "
+                             "all workers of the exchange (the global process set); pass hierarchical=False")
+        warn_about_horovod_hierarchy(hvd.nccl_built())
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         signature = stable_seed(sorted(self._parameter_names[p] for p in trainable))
         ordinal = _ORDINALS.get(signature, 0)
@@ -153,9 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._counts = {p: 0 for p in trainable}
-        hook = _weak_hook(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in trainable]
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._hooks = attach_weak_hooks(self, trainable)
 
     def close(self) -> None:
         """Remove the gradient hooks: this optimizer exchanges nothing more (``step()`` is then local)."""
@@ -168,7 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        _remove_hooks(self._hooks)
+        remove_hooks(self._hooks)
         self._included = False
 
     # -- gradient hooks and progress ---------------------------------------------------------------
@@ -177,10 +144,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is not None and p.grad.dtype != bucket.dtype:
             raise TypeError(f"gradient of {self._parameter_names[p]} is {p.grad.dtype} but its bucket holds "
                             f"{bucket.dtype}; build the DistributedOptimizer after changing the model's dtype")
-        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense and not self._warned_sparse:
-            self._warned_sparse = True
-            warnings.warn(f"hvdcomp: the sparse gradient of {self._parameter_names[p]} is exchanged dense (hvdcomp's "
-                          "codecs work on dense values); pass sparse_as_dense=True to say so", stacklevel=2)
+        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+            self._reduce_sparse(p)
         self._counts[p] += 1
         if self._counts[p] > self._passes:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times before call to "
@@ -191,8 +156,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._launch(bucket)
         self._progress()
 
-    @staticmethod
-    def _dense_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+    def _reduce_sparse(self, p: torch.nn.Parameter) -> None:
+        """``sparse_as_dense=False``: reduce a sparse gradient as Horovod does (its sparse all-reduce,
+        uncompressed; every rank must produce it), or, over a transport other than Horovod, exchange it dense."""
+        name = self._parameter_names[p]
+        if isinstance(self._transport, HorovodTransport):
+            self._sparse[p] = hvd.sparse_allreduce_async(p.grad, name=f"{self._prefix}.sparse.{name}",
+                                                         op=hvd.Average if self._average else hvd.Sum,
+                                                         process_set=self._transport.process_set)
+        elif not self._warned_sparse:
+            self._warned_sparse = True
+            warnings.warn(f"hvdcomp: the sparse gradient of {name} is exchanged dense (this transport has no sparse "
+                          "all-reduce); pass sparse_as_dense=True to say so", stacklevel=3)
+
+    def _dense_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The gradient a bucket exchanges: dense; None (zeros) where Horovod reduces it sparse."""
+        if p in self._sparse:
+            return None
         return p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
 
     def _bucket_exchange(self, bucket: Bucket) -> Exchange:
@@ -271,6 +251,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _write_back(self, bucket: Bucket, result: Any) -> None:
         means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
         for p, mean in zip(bucket.params, means):
+            if p in self._sparse:
+                continue
             if p.grad is not None and p.grad.is_sparse:  # back to sparse, as Horovod returns it
                 p.grad = mean.view(p.shape).to(p.dtype).to_sparse()
             else:
@@ -297,6 +279,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             while not self._advance(bucket):
                 pass
         self._inflight.clear()
+        for p, handle in self._sparse.items():
+            p.grad = handle()  # Horovod's sparse all-reduce returns the reduced sparse gradient
+        self._sparse.clear()
         for bucket in self._buckets:
             bucket.ready, bucket.launched = 0, False
         for p in self._counts:
@@ -316,7 +301,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize and not _called_by_broadcast_optimizer_state():
+        if self._should_synchronize and not called_by_broadcast_optimizer_state():
             if self._synchronized:
                 warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
             self.synchronize()
@@ -346,12 +331,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._exchange_step = ours["exchange_step"]
 
 
-def _warn_about_horovod_hierarchy() -> None:
-    if os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("", "0") and not hvd.nccl_built():
-        warnings.warn("HOROVOD_HIERARCHICAL_ALLREDUCE takes effect only on NCCL (GPU) builds of Horovod; this "
-                      "build has no NCCL, so it is ignored. Use hvdcomp's hierarchical=True instead.", stacklevel=3)
-
-
 def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -377,8 +356,9 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
             ``FP16()``, ``PowerSGD()``, your own ``hvdcomp.exchange.BucketCodec``).
         num_groups, groups: Horovod's grouping, applied to the buckets (see ``buckets``);
             ``num_groups`` is Horovod's deprecated spelling of an integer ``groups``.
-        sparse_as_dense: sparse gradients are exchanged dense either way (hvdcomp's codecs are dense)
-            and come back sparse; ``True`` says so and silences the warning.
+        sparse_as_dense: ``True``: sparse gradients are densified and compressed like any gradient (they
+            come back sparse); ``False``: they are reduced as Horovod reduces them (its sparse
+            all-reduce, uncompressed; over ``MPITransport``, dense with a warning).
         bucket_size_mb: gradients per bucket; each bucket is exchanged as soon as it is complete.
         hierarchical: full precision inside nodes, the compressed payload only between nodes.
         transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
