@@ -189,9 +189,8 @@ def test_bad_selection(kwargs):
         RandomCoordinateSelector(**kwargs)
 
 
-def test_k_larger_than_tensor():
-    with pytest.raises(ValueError, match="exceeds"):
-        RandomCoordinateSelector(k=11).indices(10, "w", 0)
+def test_k_larger_than_tensor_sends_it_whole():
+    assert RandomCoordinateSelector(k=11).indices(10, "w", 3).tolist() == list(range(10))
 
 
 def test_bad_chunk_size():
@@ -294,16 +293,14 @@ def test_randk_counts_per_tensor_across_shards(selection):
             assert torch.equal(outputs[0] != 0, flat != 0)
 
 
-def test_k_larger_than_a_tensor_fails_on_every_shard_before_any_collective():
-    codecs = _workers(lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(k=30)), 4)
-    for rank, codec in enumerate(codecs):  # local rank 1's shard holds none of the 27-element tensor
-        exchange = hierarchical_elementwise(lambda x, segments, shard_key, size, codec=codec:
-                                            codec.exchange(x, segments, shard_key, 0, size),
-                                            torch.ones(sum(SIZES)), SIZES, "b", 2, rank % 2, 2)
-        with pytest.raises(ValueError, match="k=30 exceeds"):
-            next(exchange)
-    with pytest.raises(ValueError, match="k=30 exceeds"):
-        codecs[0].exchange(torch.ones(sum(SIZES)), SIZES, "b", 0, 2)
+def test_k_larger_than_a_tensor_sends_it_whole_on_every_shard():
+    """k=30 per tensor: the 27-element tensor goes whole, the others send 30 each, sharded or not."""
+    grads = _bucket_grads(4)
+    sharded = _hierarchical(_randk_workers(4, k=30), grads, 2)
+    flat = simulate([c.exchange(g, SIZES, "bucket0", 0, 4) for c, g in zip(_randk_workers(4, k=30), grads)])
+    for out in (sharded[0], flat[0]):
+        assert [int((piece != 0).sum()) for piece in out.split(SIZES)] == [27, 30, 30]
+    assert torch.equal(sharded[0] != 0, flat[0] != 0)
 
 
 def test_simulate_group_collectives():

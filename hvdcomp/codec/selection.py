@@ -33,11 +33,10 @@ class RandomCoordinateSelector:
         self._cycles: dict[object, tuple[int, int, torch.Tensor]] = {}
 
     def count(self, numel: int) -> int:
-        """Coordinates chosen from a tensor of ``numel`` elements; ``ValueError`` if k > numel."""
+        """Coordinates chosen from a tensor of ``numel >= 1`` elements: ``min(k, numel)`` (a tensor smaller
+        than ``k``, e.g. a bias, is sent whole), or ``max(1, round(ratio * numel))``."""
         if self.k is not None:
-            if self.k > numel:
-                raise ValueError(f"k={self.k} exceeds the {numel} elements of a tensor (k counts per tensor)")
-            return self.k
+            return min(self.k, numel)
         return max(1, round(self.ratio * numel))
 
     def indices(self, numel: int, key: object, step: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -125,15 +125,10 @@ class MaxNormCodec(ElementwiseCodec):
 
         With a selector, ``k`` (or ``ratio``) counts coordinates per tensor: tensor ``(key, i)`` of
         ``Segments.of(segments, key)`` sends its own set, chosen over the whole tensor, so that a shard
-        sends the chosen coordinates that fall in it. ``ValueError`` at once, on every worker alike, if
-        ``k`` exceeds a non-empty tensor of the bucket."""
+        sends the chosen coordinates that fall in it; a tensor smaller than ``k`` is sent whole."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
-        if self.selector is not None:
-            for size in layout.sizes:
-                if size:
-                    self.selector.count(size)
         return self._exchange(flat, layout, key, step, world_size, word_bits)
 
     def _selection(self, layout: Segments, step: int, device: torch.device) -> tuple[torch.Tensor, list[int],
@@ -215,8 +210,12 @@ class MaxNormCodec(ElementwiseCodec):
             raise ValueError("the saved state and this codec disagree on error feedback")
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
-        if state["rank"] is not None:
+        if self.rank is None and state["rank"] is not None:
             self.bind_rank(state["rank"])
+        elif state["rank"] is not None and state["rank"] != self.rank:
+            warnings.warn(f"hvdcomp: loading rank {state['rank']}'s codec state on rank {self.rank}: its rounding "
+                          "streams and memories are that rank's; each worker should load its own", RuntimeWarning,
+                          stacklevel=2)
         for device, gen_state in state["generators"].items():
             self.rounding_generator(torch.device(device)).set_state(gen_state)
 

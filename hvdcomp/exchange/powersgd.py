@@ -2,8 +2,7 @@
 
 ``PowerSGD`` is a ``TensorCodec`` (see ``bucket``): its exchange (see ``protocol``) takes one
 bucket — a list of gradients of any shapes and float dtypes on one device — and returns each
-gradient's mean over the workers,
-identical on every worker, in its shape and dtype. Each tensor is viewed as a matrix
+gradient's mean over the workers, identical on every worker, in its shape and dtype. Each tensor is viewed as a matrix
 ``n x m`` (``n = shape[0]``, ``m = numel / n``); 0-d/1-d tensors and matrices whose compression rate
 ``n * m / ((n + m) * r)`` is below ``min_compression_rate`` (``r = min(rank, n, m)``) are averaged
 uncompressed, the others are replaced by a rank-``r`` approximation of their mean, computed with one
@@ -200,7 +199,7 @@ class PowerSGD(TensorCodec):
         and seeds ``Q``; it needs a ``repr`` that is the same in every process (int, str, tuple).
         ``step`` is the training step (``start_iter``; cold-start ``Q`` seeds).
 
-        Requests: once compressing, ``Op.SUM`` of ``[uncompressed values..., P...]`` then ``"sum"`` of
+        Requests: once compressing, ``Op.SUM`` of ``[uncompressed values..., P...]`` then ``Op.SUM`` of
         ``[Q...]`` (flat, float32, or float64 for a bucket with a float64 tensor; tensors in bucket
         order, ``P``/``Q`` grouped by matrix shape in order of first appearance, each ``[B, n, r]`` /
         ``[B, m, r]`` row-major). Before ``start_iter``, or if nothing is compressed, a single ``Op.SUM``

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from ..codec.seeding import stable_seed
 from ..exchange.protocol import Exchange, Scope
 
 Parameter = torch.nn.Parameter
+_ORDINALS: dict[tuple, int] = {}  # optimizers created in this process per (parameter names, process set)
 
 
 @dataclass(eq=False)
@@ -63,6 +65,16 @@ def parameter_names(named_parameters: Any, param_groups: Sequence[dict[str, Any]
         raise ValueError(f"named_parameters was specified, but {len(unnamed)} of the optimizer's parameters "
                          "were not named")
     return by_param
+
+
+def collective_prefix(names: Sequence[str], group: object) -> str:
+    """The prefix of an optimizer's collective names: from its parameter names, its process ``group`` and
+    its ordinal among optimizers over the same in this process. Every rank must build its optimizers in
+    the same order (and count them whether it belongs to the group or not), so the names agree."""
+    identity = (tuple(sorted(names)), group)
+    ordinal = _ORDINALS.get(identity, 0)
+    _ORDINALS[identity] = ordinal + 1
+    return f"hvdcomp.{stable_seed(identity) % 16**8:08x}.{ordinal}"
 
 
 def _by_size(params: Sequence[Parameter], bucket_size_mb: float) -> list[list[Parameter]]:

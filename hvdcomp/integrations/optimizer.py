@@ -37,25 +37,24 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from ..codec.seeding import stable_seed
 from ..codec.validate import check_int, check_real
 from ..exchange.bucket import ElementwiseCodec
 from ..exchange.hierarchy import hierarchical_elementwise, hierarchical_tensors
 from ..exchange.protocol import Exchange, Op, Transport
 from ..exchange.stats import Statistics
 from ..transport.horovod import HorovodTransport
-from .buckets import Bucket, check_groups, parameter_names, plan_buckets
+from .buckets import Bucket, check_groups, collective_prefix, parameter_names, plan_buckets
 from .compressors import bucket_codec
 from .parity import (
     STEP_AFTER_SYNCHRONIZE,
     attach_weak_hooks,
     called_by_broadcast_optimizer_state,
+    claim_codec,
     remove_hooks,
     warn_about_horovod_hierarchy,
 )
 
 DEFAULT_BUCKET_MB = 25.0
-_ORDINALS: dict[int, int] = {}  # optimizers created in this process per set of parameter names
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -103,30 +102,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._codec = None
         self.stats = Statistics()
+        self._agreed = False
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        # On every rank, inside the process set or not, so that the names agree everywhere.
+        self._prefix = collective_prefix([self._parameter_names[p] for p in trainable],
+                                         "transport" if transport is not None else process_set.process_set_id)
         self._included = transport is not None or process_set.included()
         if not self._included:  # as Horovod: a rank outside the process set trains locally
             return
         self._transport = transport if transport is not None else HorovodTransport(process_set)
-        self._codec = bucket_codec(compression)
+        self._codec = claim_codec(bucket_codec(compression), self)
         self._codec.bind_rank(self._transport.rank)
         if hierarchical and not (self._transport.equal_nodes and self._transport.local_size
                                  * self._transport.cross_size == self._transport.size):
             raise ValueError("hierarchical=True needs the same number of workers on every node, the nodes covering "
                              "all workers of the exchange (the global process set); pass hierarchical=False")
         warn_about_horovod_hierarchy(hvd.nccl_built())
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        signature = stable_seed(sorted(self._parameter_names[p] for p in trainable))
-        ordinal = _ORDINALS.get(signature, 0)
-        _ORDINALS[signature] = ordinal + 1
-        self._prefix = f"hvdcomp.{signature % 16**8:08x}.{ordinal}"
         self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._counts = {p: 0 for p in trainable}
         self._hooks = attach_weak_hooks(self, trainable)
 
+    def _accumulating(self) -> bool:
+        """Whether gradients arrived since the last ``synchronize()`` (Horovod's ``_handles``)."""
+        return self._included and any(self._counts.values())
+
     def close(self) -> None:
         """Remove the gradient hooks: this optimizer exchanges nothing more (``step()`` is then local)."""
-        if self._inflight:
+        if self._accumulating():
             raise AssertionError("optimizer.close() was called with exchanges in flight; call optimizer.step() or "
                                  "optimizer.synchronize() first, on every rank")
         self.__exit__()
@@ -144,13 +147,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is not None and p.grad.dtype != bucket.dtype:
             raise TypeError(f"gradient of {self._parameter_names[p]} is {p.grad.dtype} but its bucket holds "
                             f"{bucket.dtype}; build the DistributedOptimizer after changing the model's dtype")
-        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
-            self._reduce_sparse(p)
         self._counts[p] += 1
         if self._counts[p] > self._passes:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times before call to "
                                  "step(). Increase backward_passes_per_step to accumulate gradients locally.")
         if self._counts[p] == self._passes:
+            if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+                self._reduce_sparse(p)
             bucket.ready += 1
             if bucket.ready == len(bucket.params) and not self._transport.blocking:
                 self._launch(bucket)
@@ -201,6 +204,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._fresh_step:
             self.stats.begin_step()
             self._fresh_step = False
+        if not self._agreed:
+            self._agree_on_state()
         started = time.perf_counter()
         bucket.launched = True
         bucket.exchange = self._bucket_exchange(bucket)
@@ -209,6 +214,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
         self._start(bucket, op, tensor)
         self._inflight.append(bucket)
+
+    def _agree_on_state(self) -> None:
+        """Before the first exchange after construction or ``load_state_dict``: every worker must hold
+        the same exchange step (coordinate sets, PowerSGD's start and its shared Qs follow it). Horovod's
+        ``broadcast_optimizer_state`` does not carry hvdcomp's per-worker state, so a checkpoint of it
+        loaded on some workers only is refused here, on every worker, instead of diverging silently."""
+        step = float(self._exchange_step)
+        request = torch.tensor([step, -step], dtype=torch.float64)
+        self.stats.last_step.count(Op.MAX, request, self._transport, control=True)
+        seen = self._transport.wait(self._transport.start(Op.MAX, request, f"{self._prefix}.agree"))
+        if seen[0] != -seen[1]:
+            raise RuntimeError(f"hvdcomp.DistributedOptimizer: the workers hold different hvdcomp states (exchange "
+                               f"steps {int(-seen[1])} to {int(seen[0])}): every worker must load its own "
+                               "optimizer.state_dict() (hvd.broadcast_optimizer_state does not carry hvdcomp's "
+                               "per-worker state), or none")
+        self._agreed = True
 
     def _start(self, bucket: Bucket, op: Op, tensor: torch.Tensor) -> None:
         self.stats.last_step.count(op, tensor, self._transport)
@@ -309,7 +330,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._inflight:
+        if self._accumulating():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
                                  "a race condition.")
@@ -325,6 +346,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop("hvdcomp", None)
         super(self.__class__, self).load_state_dict(state_dict)
+        self._synchronized = False
+        self._agreed = False
         if ours is not None:
             if self._codec is not None and ours["codec"] is not None:
                 self._codec.load_state_dict(ours["codec"])

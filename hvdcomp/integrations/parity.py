@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+_CODEC_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> weakref to its optimizer
 STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                           "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                           "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
@@ -62,3 +63,15 @@ def remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+def claim_codec(codec: Any, optimizer: Any) -> Any:
+    """``codec``, now serving ``optimizer``; ``ValueError`` if it already serves another live one (its
+    state, e.g. error-feedback memory keyed by bucket, would mix the two)."""
+    owner = _CODEC_OWNERS.get(codec)
+    live = None if owner is None else owner()
+    if live is not None and live is not optimizer and live._included:
+        raise ValueError("this compression object already serves another DistributedOptimizer; give each "
+                         "optimizer its own (codec state such as error-feedback memory is per optimizer)")
+    _CODEC_OWNERS[codec] = weakref.ref(optimizer)
+    return codec
