@@ -1130,14 +1130,18 @@ def _shared_codec_worker():
 
     model = _mlp()
     shared = hvdcomp.GlobalRandKMaxNorm(ratio=0.5)
-    hvdcomp.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), compression=shared)
+    first = hvdcomp.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), compression=shared)
     try:
         hvdcomp.DistributedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), compression=shared)
     except ValueError as error:
-        return str(error)
-    return "accepted"
+        message = str(error)
+    else:
+        message = "accepted"
+    first.close()  # a closed (or dropped) optimizer releases its compression object
+    again = hvdcomp.DistributedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), compression=shared)
+    return message, len(again._hooks)
 
 
 def test_one_compression_object_serves_one_optimizer():
     results = run_function(_shared_codec_worker, np=2, timeout=TIMEOUT)
-    assert all("already serves another" in r for r in results), results
+    assert all("already serves another" in message and hooks == 2 for message, hooks in results), results
