@@ -897,9 +897,14 @@ def test_one_rank_raises_mid_step(kind):
     assert "timed out" not in message.splitlines()[0], message[-4000:]
     tracebacks = _rank_tracebacks(message)
     assert "injected failure on rank 0" in tracebacks.get(0, ""), message[-4000:]
+    launcher = message.split("----- launcher output")[-1]
     for rank in range(1, np):
         text = tracebacks.get(rank, "")
-        assert "HorovodInternalError" in text or "Horovod has been shut down" in text, (
+        if "HorovodInternalError" in text or "Horovod has been shut down" in text:
+            continue
+        # With dynamic process sets (hierarchical), Horovod's Gloo layer may instead abort the process
+        # ("gloo::IoException", exit 134) and horovodrun then ends the rest: still an error, not a hang.
+        assert kind == "hierarchical" and "gloo::IoException" in launcher, (
             f"rank {rank} did not end with a Horovod error\n" + message[-6000:])
 
 

@@ -219,10 +219,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Before the first exchange after construction or ``load_state_dict``: every worker must hold
         the same exchange step (coordinate sets, PowerSGD's start and its shared Qs follow it). Horovod's
         ``broadcast_optimizer_state`` does not carry hvdcomp's per-worker state, so a checkpoint of it
-        loaded on some workers only is refused here, on every worker, instead of diverging silently."""
+        loaded on some workers only is refused here, on every worker, instead of diverging silently.
+        (16 bytes once, not counted in ``stats``, so that a resumed run counts what an unbroken one does.)"""
         step = float(self._exchange_step)
         request = torch.tensor([step, -step], dtype=torch.float64)
-        self.stats.last_step.count(Op.MAX, request, self._transport, control=True)
         seen = self._transport.wait(self._transport.start(Op.MAX, request, f"{self._prefix}.agree"))
         if seen[0] != -seen[1]:
             raise RuntimeError(f"hvdcomp.DistributedOptimizer: the workers hold different hvdcomp states (exchange "
