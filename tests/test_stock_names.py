@@ -127,3 +127,52 @@ def test_stock_optimizer_with_a_parameter_used_on_one_rank_only_works_as_in_horo
             assert torch.equal(a, b), label  # identical replicas
     for ours, ref in zip(results[0]["qsgd8"], results[0]["none"]):
         torch.testing.assert_close(ours, ref, rtol=0, atol=0.02)  # two steps of lr 0.1, 8-bit rounding
+
+
+_RESUME = textwrap.dedent("""
+    import copy, os, pickle, sys
+    import horovod.torch as hvd, torch, hvdcomp
+
+    hvd.init()
+    os.environ["HOROVOD_ELASTIC"] = "1"  # Horovod registers its hooks on one worker too
+
+    def build(model):
+        compression = hvdcomp.GlobalRandKMaxNorm(ratio=0.5, bits=4)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters(), compression=compression)
+        return optimizer, compression
+
+    def train(model, optimizer, steps, first):
+        for step in range(first, first + steps):
+            optimizer.zero_grad()
+            head = model["h1"] if step % 2 else model["h2"]
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            head(torch.tanh(model["trunk"](x))).pow(2).sum().backward()
+            optimizer.step()
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(3, 3) for name in ("trunk", "h1", "h2")})
+    optimizer, compression = build(model)
+    train(model, optimizer, 3, 0)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "compression": compression.state_dict()})
+    train(model, optimizer, 3, 3)
+    resumed = torch.nn.ModuleDict({name: torch.nn.Linear(3, 3) for name in ("trunk", "h1", "h2")})
+    resumed.load_state_dict(checkpoint["model"])
+    optimizer2, compression2 = build(resumed)
+    optimizer2.load_state_dict(checkpoint["optimizer"])
+    compression2.load_state_dict(checkpoint["compression"])
+    train(resumed, optimizer2, 3, 3)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    sys.stdout.buffer.write(pickle.dumps({"same": same, "steps": compression2._steps}))
+""")
+
+
+@pytest.mark.slow
+def test_stock_compressor_state_resumes_exactly():
+    done = subprocess.run([sys.executable, "-c", _RESUME], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    import pickle
+
+    out = pickle.loads(done.stdout)
+    assert out["same"] and set(out["steps"].values()) == {6}
