@@ -1,7 +1,8 @@
 """Print the wire bits per element of the packed QSGD max-norm payload for a grid of bits x workers.
 
-``int64 Sum`` is the packed path of our own optimizer (63 usable bits per word); ``float64 carrier``
-is the path through Horovod's stock optimizer (``carrier.word_bits(W)`` usable bits per word). The seed's code sends
+``int64 Sum`` is the packed path of both our optimizer and the stock-optimizer compressors (63 usable
+bits per word); ``float64 carrier`` is for packed words carried through a float reduction
+(``carrier.word_bits(W)`` usable bits per word). The seed's code sends
 8 bits (b < 8, overflowing once W * s > 127) or 32 bits (b = 8) per element.
 """
 

@@ -16,7 +16,8 @@ Map (issue 10 item -> test):
  also: ``test_one_rank_raises_mid_step``, ``test_broadcast_state_and_parameters_keep_weights``;
  issue 16: ``test_16_1_broadcast_state_from_rank0_checkpoint``, ``test_04_...`` (16.3),
  ``test_16_4_parameter_names_like_horovod``, ``test_11_sparse_as_dense_is_accepted`` (16.5),
- ``test_11_rank_outside_process_set_is_a_noop`` (16.6), ``test_02_*`` (16.7),
+ ``test_11_rank_outside_process_set_is_a_noop`` (16.6), ``test_02_*`` and
+ ``test_16_7_stock_optimizer_rank_dependent_parameters`` (16.7),
  ``test_16_8_stock_optimizer_sparse_gradients_pass_through_decompress``;
  review follow-ups: ``test_hvdcomp_state_loaded_on_some_ranks_only_fails_on_every_rank``,
  ``test_names_agree_after_an_optimizer_over_a_smaller_process_set``,
@@ -287,6 +288,51 @@ def test_02_stock_optimizer_error_feedback_follows_the_tensor():
     _assert_replicas_identical(results, "params")
     for r in results:
         torch.testing.assert_close(r["h2_moved"], r["h2_expected"], rtol=0, atol=r["tolerance"])
+
+
+def _stock_rank_dependent_heads_worker(codec, steps=4):
+    """Horovod's force-allreduce pattern: every rank's loss uses the trunk and head ``p``; rank 1's also
+    adds head ``q``. So during backward the hooks compress different gradients on the two ranks (rank 0
+    compresses ``q`` only in ``synchronize()``, zero-filled). Uncompressed Horovod for reference."""
+    import horovod.torch as hvd
+
+    import hvdcomp
+
+    out = {}
+    compressions = {"none": lambda: hvd.Compression.none, "qsgd8": lambda: hvdcomp.QSGDMaxNorm(8),
+                    "randk05": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.5)}
+    for label in ("none", codec):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"trunk": torch.nn.Linear(6, 8), "p": torch.nn.Linear(8, 3),
+                                     "q": torch.nn.Linear(8, 3)})
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(),
+                                             compression=compressions[label]())
+        for step in range(steps):
+            optimizer.zero_grad()
+            x, y = _batch(hvd.rank(), step)
+            hidden = torch.tanh(model["trunk"](x))
+            loss = torch.nn.functional.mse_loss(model["p"](hidden), y)
+            if hvd.rank() == 1:
+                loss = loss + torch.nn.functional.mse_loss(model["q"](hidden), y)
+            loss.backward()
+            optimizer.step()
+        out[label] = _params(model)
+    return out
+
+
+@pytest.mark.parametrize("codec", ["qsgd8", "randk05"])
+def test_16_7_stock_optimizer_rank_dependent_parameters(codec):
+    """Issue 16 item 7: ranks whose losses use different parameters, stock optimizer, hvdcomp compressor: no
+    CarrierMismatchError or hang, replicas identical after several steps, and close to Horovod uncompressed
+    (QSGD 8 bits; GlobalRandK only sends half of each step, the rest follows through error feedback)."""
+    results = run_function(_stock_rank_dependent_heads_worker, np=2, kwargs={"codec": codec}, timeout=TIMEOUT)
+    _assert_replicas_identical(results, codec)
+    _assert_replicas_identical(results, "none")
+    tolerance = 0.01 if codec == "qsgd8" else 0.1
+    for ours, ref in zip(results[0][codec], results[0]["none"]):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, ref, rtol=0, atol=tolerance)
 
 
 # --------------------------------------------------------------------------------------------------

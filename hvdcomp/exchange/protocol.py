@@ -11,8 +11,7 @@ An ``Op`` is a reduction (``SUM``, ``MAX``, ``ALLGATHER``: concatenation along d
 a scope of workers:
 
 - ``Scope.WORLD``: every worker of the exchange (``Op.SUM``, ``Op.MAX``, and ``Op.PAYLOAD``: the
-  ``SUM`` of the packed words that carry the result, which a transport may move differently; the
-  stock-Horovod path wraps them in a float carrier);
+  ``SUM`` of the packed words that carry the result, which a transport may move differently);
 - ``Scope.NODE``: the workers of this node (``Op.LOCAL_SUM``, ``Op.LOCAL_MAX``, ``Op.LOCAL_ALLGATHER``);
 - ``Scope.CROSS``: the workers with this worker's local rank, one per node (``Op.CROSS_*``).
 

@@ -1,27 +1,31 @@
 """Horovod ``Compressor`` objects for the max-norm quantizer family, and ``bucket_codec``.
 
 Pass one to the stock optimizer, e.g.
-``hvd.DistributedOptimizer(opt, named_parameters=..., compression=QSGDMaxNorm(8))``. For each gradient,
-``compress`` runs the codec's exchange up to its payload over Horovod (one blocking MAX all-reduce of
-a few floats; for the multi-scale variants also a blocking SUM of the packed agreement bits) and
-returns a float64 carrier of the packed levels (``hvdcomp.codec.carrier``), which Horovod then reduces
-with the optimizer's op (Sum or Average, predivide factor allowed). ``decompress`` returns what that op
-makes of the workers' dequantized gradients (their mean or sum), identical on every worker, in the
-gradient's shape and dtype.
+``hvd.DistributedOptimizer(opt, named_parameters=..., compression=QSGDMaxNorm(8))``. ``compress``
+issues no collective: it records the gradient and returns a small float64 *header carrier*
+(``hvdcomp.codec.carrier``: canary, world size and a tag of the compressor's configuration, the
+gradient's name, its step and size, and no words), which Horovod reduces with the optimizer's op (Sum
+or Average, predivide factor allowed). The first ``decompress`` of a step runs the codec's exchanges
+of all the step's gradients together, in name order, with one blocking collective per round for the
+whole step (``drive_together``: a MAX of every scale, for the multi-scale variants a SUM of the
+agreement bits, then one int64 SUM of every packed level). By then every worker has compressed all
+its gradients of the step: Horovod's ``synchronize()`` compresses the parameters whose hook did not
+fire (zero-filled) before it waits for any handle, so every worker compressed the same names (every
+parameter that requires a gradient), whatever parameters its own loss used. Each ``decompress``
+returns what the reduced header says the op made of the workers' dequantized gradients (their mean
+if Horovod averaged, their sum if it summed), identical on every worker, in the gradient's shape and
+dtype. Per-rank parameter sets (a head used on some workers only) therefore work as in stock
+Horovod. The price: the exchange starts only in ``synchronize()``, so on this path communication does
+not overlap backward (``hvdcomp.DistributedOptimizer`` overlaps it).
 
 Gradients are identified by Horovod's own name for them (read from the optimizer's frames, see
-``stock_names``), which keys their error-feedback memory, coordinate sets, step counts and carrier
-tag. The blocking rounds inside ``compress`` pair by call order: during backward the hooks call it in
-backward order, the same on every worker; the parameters Horovod compresses later in
-``synchronize()`` (those without a gradient this step, zero-filled, in an order that differs between
-workers) are exchanged together at the first one's ``compress``, in name order, one collective per
-round (``drive_together``). So every worker must compute gradients for the same parameters in a
-step; a parameter used on some workers only needs ``hvdcomp.DistributedOptimizer``. Every blocking
-MAX is stamped with the gradient's key and step (``carrier.stamp``), so workers that pair different
-gradients all raise ``CarrierMismatchError`` rather than mix their scales (the carrier's tag then
-checks the configuration too). Called outside Horovod's optimizer
+``stock_names``), which keys their error-feedback memory, coordinate sets, step counts and tags.
+Every MAX round is stamped with each gradient's tag (``carrier.stamp``), so workers that batch
+different gradients, or configure the compressor differently, all raise ``CarrierMismatchError``
+rather than mix their scales; each header checks the same again. Called outside Horovod's optimizer
 (e.g. directly), ``compress`` identifies a gradient by its position within the step (a step ends when
-decompressing starts), so every worker must compress its gradients in the same order.
+decompressing starts) and the step's exchanges run in call order, so every worker must compress its
+gradients in the same order.
 If any worker's gradient holds NaN/Inf, every worker gets an all-NaN result for that tensor (as an
 uncompressed all-reduce would; ``torch.amp.GradScaler`` then skips the step) and a warning.
 """
@@ -29,8 +33,9 @@ uncompressed all-reduce would; ``torch.amp.GradScaler`` then skips the step) and
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import horovod.torch as hvd
@@ -43,21 +48,47 @@ from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
 from ..exchange.bucket import BucketCodec
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
-from ..exchange.protocol import Exchange, Op, drive, drive_together, relay
-from ..exchange.stats import Statistics, Traffic, counted
+from ..exchange.protocol import Exchange, Op, drive_together, relay
+from ..exchange.stats import Statistics, Traffic
 from ..transport.horovod import HorovodTransport
-from .stock_names import StockCall, stock_call
+from .stock_names import stock_call
+
+
+@dataclass
+class _Batch:
+    """The gradients compressed in one step, exchanged together at the step's first ``decompress``."""
+
+    contexts: list[_Context] = field(default_factory=list)
+    exchanged: bool = False
+    traffic: Traffic = field(default_factory=Traffic)  # the batched collectives
 
 
 @dataclass
 class _Context:
-    exchange: Exchange
+    exchange: Exchange  # the codec's exchange, its MAX rounds stamped with ``tag``
     key: Hashable
+    order: tuple  # sorts the batch: by name (then step), or by call order outside Horovod's optimizer
+    tag: int
     shape: torch.Size
     dtype: torch.dtype
     world_size: int
-    traffic: Traffic
-    averaged: bool = False
+    traffic: Traffic  # the header carrier, the uncompressed size, the decoding time
+    batch: _Batch
+    word_sums: torch.Tensor | None = None  # this gradient's slice of the batched payload sum
+
+
+class _CountingTransport:
+    """``transport``'s blocking collectives, with their bytes and waits counted in ``traffic``."""
+
+    def __init__(self, transport: HorovodTransport, traffic: Traffic) -> None:
+        self.transport, self.traffic = transport, traffic
+
+    def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
+        self.traffic.count(op, tensor, self.transport)
+        start = time.perf_counter()
+        result = self.transport.collective(op, tensor)
+        self.traffic.communicate_s += time.perf_counter() - start
+        return result
 
 
 def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,9 +106,10 @@ class MaxNormCompressor(Compressor):
         codec: quantizer, optional shared coordinate selection, error-feedback memory, seed.
         process_set: the Horovod process set the optimizer reduces over (default: all workers).
 
-    ``stats`` (``hvdcomp.exchange.stats.Statistics``) counts what this worker sent (scales, agreement
-    bits, carrier) and what the gradients would have taken uncompressed, per tensor as it is
-    decompressed; a step begins with its first gradient's ``compress``.
+    ``stats`` (``hvdcomp.exchange.stats.Statistics``) counts what this worker sent (the batched scales,
+    agreement bits and packed levels when a step's exchange runs, each gradient's header carrier) and
+    what the gradients would have taken uncompressed, as they are decompressed; a step begins with its
+    first gradient's ``compress``.
     """
 
     def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None) -> None:
@@ -87,7 +119,7 @@ class MaxNormCompressor(Compressor):
         self._steps: dict[Hashable, int] = {}  # exchanges so far, per gradient key
         self._index_in_step = 0  # the next position, for calls from outside Horovod's optimizer
         self._step_open = False  # False until a step's first compress, and again after a decompress
-        self._missing: tuple[object, dict[str, tuple[torch.Tensor, _Context]]] | None = None
+        self._batch: _Batch | None = None  # the open step's gradients
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: the codec's state and the step counters."""
@@ -98,85 +130,95 @@ class MaxNormCompressor(Compressor):
         self.codec.load_state_dict(state["codec"])
         self._steps, self._index_in_step = dict(state["steps"]), state["index_in_step"]
         self._step_open = state["step_open"]
+        self._batch = None
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
-        """Exchange ``tensor``'s blocking rounds; return its float64 carrier and the context for
-        ``decompress`` (see the module docstring for how gradients are identified and paired)."""
-        call = stock_call(sys._getframe(1))
+        """Record ``tensor`` for its step's exchange (no collective); return its header carrier and the
+        context for ``decompress`` (see the module docstring)."""
+        name = stock_call(sys._getframe(1))
         if not self._step_open:
             self._step_open = True
             self._index_in_step = 0
+            self._batch = None
             self.stats.begin_step()
             self.stats.steps += 1
-        if call is not None and call.loop is not None:
-            return self._compress_missing(call, tensor)
-        if call is not None:
-            key: Hashable = call.name
+        if self._batch is None:
+            self._batch = _Batch()
+        step_of = self._steps.get
+        if name is not None:
+            key: Hashable = name
+            order: tuple = (0, name, step_of(name, 0))
         else:
             key, self._index_in_step = self._index_in_step, self._index_in_step + 1
-        ctx = self._start(tensor, key)
-        return drive(ctx.exchange, self.transport, until=Op.PAYLOAD), ctx
+            order = (1, key, step_of(key, 0))
+        ctx = self._start(tensor, key, order, self._batch)
+        self._batch.contexts.append(ctx)
+        header = carrier.wrap(torch.zeros(0, dtype=torch.int64, device=tensor.device), ctx.world_size, ctx.tag)
+        ctx.traffic.count(Op.SUM, header, self.transport)
+        return header, ctx
 
-    def _compress_missing(self, call: StockCall, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
-        """One of ``synchronize()``'s missing gradients: the loop's first call exchanges all of them (in
-        name order, one collective per round); each call returns its own carrier."""
-        if self._missing is None or self._missing[0] is not call.loop:
-            contexts = [self._start(grad, name) for name, grad in call.missing()]
-            payloads = drive_together([ctx.exchange for ctx in contexts], self.transport, Op.PAYLOAD)
-            self._missing = (call.loop, {ctx.key: (payload, ctx) for payload, ctx in zip(payloads, contexts)})
-        prepared = self._missing[1].pop(call.name, None)
-        if not self._missing[1]:
-            self._missing = None
-        if prepared is None or prepared[1].shape != tensor.shape:
-            raise RuntimeError(f"hvdcomp: Horovod's synchronize() compressed {call.name!r} unexpectedly")
-        return prepared
-
-    def _start(self, tensor: torch.Tensor, key: Hashable) -> _Context:
+    def _start(self, tensor: torch.Tensor, key: Hashable, order: tuple, batch: _Batch) -> _Context:
         """The context of a new exchange of ``tensor`` as gradient ``key``, its exchange not yet started."""
         flat = _flat_float(tensor)
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
-        transport = self.transport
-        world_size = transport.size
-        self.codec.bind_rank(transport.rank)
+        world_size = self.transport.size
+        self.codec.bind_rank(self.transport.rank)
+        # which gradient, and how every worker must have configured the compressor: in each MAX round's
+        # stamp and in the header
         tag = carrier.to_tag(stable_seed(type(self).__name__, self.codec.config(), self.codec.seed, world_size,
                                          flat.numel(), step, key))
-        stamp = carrier.to_tag(stable_seed("stamp", world_size, flat.numel(), step, key))  # which gradient
-        traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
-        ctx = _Context(None, key, tensor.shape, tensor.dtype, world_size, traffic)
         hint = (f" (here gradient {key!r}, exchange {step}): every worker must compress the same gradients "
-                "in each step; with hvd.DistributedOptimizer, a parameter used on some workers only needs "
-                "hvdcomp.DistributedOptimizer")
+                "in each step, with the same compressor settings")
 
-        def wrap(op: Op, request: torch.Tensor) -> tuple[Op, torch.Tensor]:
-            if op is Op.PAYLOAD:
-                return op, carrier.wrap(request, world_size, tag)
-            return op, carrier.stamp(request, stamp) if op is Op.MAX else request
+        def stamp(op: Op, request: torch.Tensor) -> tuple[Op, torch.Tensor]:
+            return op, carrier.stamp(request, tag) if op is Op.MAX else request
 
-        def unwrap(op: Op, reduced: torch.Tensor) -> torch.Tensor:
-            if op is Op.MAX:
-                return carrier.unstamp(reduced, stamp, hint)
-            if op is not Op.PAYLOAD:
-                return reduced
-            word_sums, ctx.averaged = carrier.unwrap(reduced, world_size, tag)
-            return word_sums
+        def unstamp(op: Op, reduced: torch.Tensor) -> torch.Tensor:
+            return carrier.unstamp(reduced, tag, hint) if op is Op.MAX else reduced
 
-        inner = self.codec.exchange(flat, [flat.numel()], key, step, world_size, carrier.word_bits(world_size))
-        ctx.exchange = counted(relay(inner, wrap, unwrap), traffic, transport)
-        return ctx
+        inner = self.codec.exchange(flat, [flat.numel()], key, step, world_size)  # int64 payload words
+        traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
+        return _Context(relay(inner, stamp, unstamp), key, order, tag, tensor.shape, tensor.dtype, world_size,
+                        traffic, batch)
+
+    def _exchange(self, batch: _Batch) -> None:
+        """Run the exchanges of ``batch`` together up to their payload, one collective per round, then one
+        int64 SUM of every payload; leave each context its slice of the sums."""
+        batch.exchanged = True
+        contexts = sorted(batch.contexts, key=lambda ctx: ctx.order)
+        transport = _CountingTransport(self.transport, batch.traffic)
+        start = time.perf_counter()
+        payloads = drive_together([ctx.exchange for ctx in contexts], transport, Op.PAYLOAD)
+        sums = transport.collective(Op.PAYLOAD, torch.cat([payload.reshape(-1) for payload in payloads]))
+        for ctx, part in zip(contexts, sums.split([payload.numel() for payload in payloads])):
+            ctx.word_sums = part
+        traffic = batch.traffic
+        traffic.compress_s += time.perf_counter() - start - traffic.communicate_s
+        self.stats.last_step.add(traffic)
+        self.stats.total.add(traffic)
 
     def decompress(self, tensor: torch.Tensor, ctx: _Context | None) -> torch.Tensor:
-        """The mean of the workers' dequantized gradients if Horovod averaged, their sum if it summed.
-        With ``ctx=None`` (what Horovod passes after reducing a sparse gradient itself) ``tensor`` as it is."""
+        """The mean of the workers' dequantized gradients if Horovod averaged ``ctx``'s header, their sum if
+        it summed; the step's first call runs the step's exchange. With ``ctx=None`` (what Horovod passes
+        after reducing a sparse gradient itself) ``tensor`` as it is."""
         if ctx is None:
             return tensor
         self._step_open = False
+        if not ctx.batch.exchanged:
+            self._exchange(ctx.batch)
+        word_sums, ctx.word_sums = ctx.word_sums, None
+        if word_sums is None:
+            raise RuntimeError(f"hvdcomp: gradient {ctx.key!r} was decompressed twice, or its step's exchange failed")
+        _, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag)
+        start = time.perf_counter()
         try:
-            ctx.exchange.send(tensor)
+            ctx.exchange.send(word_sums)
         except StopIteration as done:
+            mean = done.value if averaged else done.value.mul_(ctx.world_size)
+            ctx.traffic.decompress_s += time.perf_counter() - start
             self.stats.last_step.add(ctx.traffic)
             self.stats.total.add(ctx.traffic)
-            mean = done.value if ctx.averaged else done.value.mul_(ctx.world_size)
             return mean.view(ctx.shape).to(ctx.dtype)
         raise RuntimeError("the exchange protocol did not finish after its payload")
 

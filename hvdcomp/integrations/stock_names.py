@@ -5,16 +5,11 @@ pinned Horovod (0.28.1), ``stock_call`` reads it from the frame that called ``co
 frame runs the code of ``horovod.torch.optimizer._DistributedOptimizer``:
 
 - ``_allreduce_grad_async(self, p)``: its local ``name``, the name it then passes to
-  ``allreduce_async_`` for the gradient;
+  ``allreduce_async_`` for the gradient (during backward, from the hooks, and in ``synchronize()`` for
+  the parameters whose hook did not fire);
 - ``_grouped_allreduce_grad_async(self, ps)`` (``groups=``): the comprehension's ``p``, named by
   ``self._parameter_names`` (the parameter's own name; Horovod names the grouped collective after
-  the group's first);
-- ``_allreduce_grad_async`` called from ``synchronize()``'s loop over ``missing_p`` (the parameters
-  whose hook did not fire: a set, whose iteration order differs between processes): also that loop,
-  whose gradients ``StockCall.missing`` lists as ``(name, tensor)`` sorted by name, so that the caller
-  can exchange them all at once, in an order every worker shares. A gradient that is still ``None``
-  counts as zeros (Horovod zero-fills it before compressing it); a sparse one is left out unless
-  ``sparse_as_dense`` (Horovod all-reduces it sparse, without compressing it).
+  the group's first).
 
 A call from any other code in Horovod's optimizer module (another Horovod version, the Adasum
 optimizer), or a frame without the expected locals, raises ``RuntimeError``, so that a Horovod that
@@ -24,7 +19,6 @@ order. A call from anywhere else (e.g. a test calling ``compress`` directly) giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
@@ -42,34 +36,7 @@ def _code(method: str) -> CodeType | None:
 
 # The code objects hvd.DistributedOptimizer runs: it copies _DistributedOptimizer's methods into a
 # subclass of the user's optimizer class, so these identify its frames exactly.
-SINGLE, GROUPED, SYNCHRONIZE = (_code(m) for m in ("_allreduce_grad_async", "_grouped_allreduce_grad_async",
-                                                     "synchronize"))
-
-
-@dataclass(frozen=True)
-class StockCall:
-    """``name``: Horovod's name for the gradient being compressed. Inside ``synchronize()``'s loop over
-    missing parameters, ``loop`` is Horovod's ``missing_p`` (it identifies that loop) and ``optimizer``
-    the optimizer; elsewhere both are ``None``."""
-
-    name: str
-    loop: Any = None
-    optimizer: Any = None
-
-    def missing(self) -> tuple[tuple[str, torch.Tensor], ...]:
-        """Every gradient ``loop`` compresses, as ``(name, tensor)`` sorted by name (see the module
-        docstring: ``None`` gradients as zeros, sparse ones left out unless ``sparse_as_dense``)."""
-        entries = []
-        for parameter in self.loop or ():
-            grad = parameter.grad
-            if grad is None:
-                grad = torch.zeros_like(parameter.detach())
-            elif grad.is_sparse:
-                if not getattr(self.optimizer, "sparse_as_dense", False):
-                    continue
-                grad = grad.to_dense()
-            entries.append((_name(self.optimizer, parameter), grad))
-        return tuple(sorted(entries, key=lambda entry: entry[0]))
+SINGLE, GROUPED = (_code(m) for m in ("_allreduce_grad_async", "_grouped_allreduce_grad_async"))
 
 
 def _unsupported(what: str) -> RuntimeError:
@@ -94,23 +61,19 @@ def _name(optimizer: Any, parameter: torch.Tensor) -> str:
     return name
 
 
-def stock_call(frame: FrameType | None) -> StockCall | None:
-    """What Horovod's stock optimizer is compressing, from ``frame`` (the caller of ``compress``), or
-    ``None`` outside its module; raises ``RuntimeError`` for code of that module it does not know."""
+def stock_call(frame: FrameType | None) -> str | None:
+    """Horovod's name for the gradient its stock optimizer is compressing, from ``frame`` (the caller of
+    ``compress``), or ``None`` outside its module; raises ``RuntimeError`` for code of that module it does
+    not know."""
     if frame is None or frame.f_globals.get("__name__") != HOROVOD_OPTIMIZER_MODULE:
         return None
     if SINGLE is not None and frame.f_code is SINGLE:
         name = _local(frame, "name")
         if not isinstance(name, str):
             raise _unsupported(f"_allreduce_grad_async's name is {name!r}")
-        outer = frame.f_back
-        if outer is not None and SYNCHRONIZE is not None and outer.f_code is SYNCHRONIZE:
-            missing_p = _local(outer, "missing_p")
-            if _local(frame, "p") in missing_p:  # its later loop compresses parameters whose handle is None
-                return StockCall(name, missing_p, _local(frame, "self"))
-        return StockCall(name)
+        return name
     # the comprehension in _grouped_allreduce_grad_async: its own frame before Python 3.12, inlined since
     function = frame if frame.f_code is GROUPED else frame.f_back
     if GROUPED is not None and function is not None and function.f_code is GROUPED:
-        return StockCall(_name(_local(function, "self"), _local(frame, "p")))
+        return _name(_local(function, "self"), _local(frame, "p"))
     raise _unsupported(f"compress was called from {getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}")
