@@ -116,6 +116,19 @@ def _exact_mean_and_peak(local):
     return means, peaks
 
 
+def _step_error(optimizer, loss, params):
+    """Backward, synchronize and step; returns the worst error of the exchanged gradients against the exact
+    mean of the ranks' own gradients, as a fraction of each tensor's peak |gradient| over the ranks."""
+    local = _local_grads(loss, params)
+    loss.backward()
+    optimizer.synchronize()
+    means, peaks = _exact_mean_and_peak(local)
+    error = max(float((p.grad - m).abs().max()) / max(peak, 1e-12) for p, m, peak in zip(params, means, peaks))
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    return error
+
+
 def _train(model, optimizer, steps, first_step=0):
     import horovod.torch as hvd
 
@@ -169,15 +182,7 @@ def _branch_worker(codec, steps=3, hierarchical=False, mpi=False):
         optimizer.zero_grad()
         x, y = _batch(hvd.rank(), step)
         hidden = torch.tanh(model[branch](torch.tanh(model["trunk"](x))))
-        loss = torch.nn.functional.mse_loss(model["out"](hidden), y)
-        local = _local_grads(loss, params)
-        loss.backward()
-        optimizer.synchronize()
-        means, peaks = _exact_mean_and_peak(local)
-        errors.append(max(float((p.grad - m).abs().max()) / max(peak, 1e-12)
-                          for p, m, peak in zip(params, means, peaks)))
-        with optimizer.skip_synchronize():
-            optimizer.step()
+        errors.append(_step_error(optimizer, torch.nn.functional.mse_loss(model["out"](hidden), y), params))
     return {"params": _params(model), "errors": errors}
 
 
@@ -545,15 +550,7 @@ def _fp16_mpi_worker(codec):
     errors = []
     for step in range(3):
         optimizer.zero_grad()
-        loss = _mlp_loss(model, hvd.rank(), step)
-        local = _local_grads(loss, params)
-        loss.backward()
-        optimizer.synchronize()
-        means, peaks = _exact_mean_and_peak(local)
-        errors.append(max(float((p.grad - m).abs().max()) / max(peak, 1e-12)
-                          for p, m, peak in zip(params, means, peaks)))
-        with optimizer.skip_synchronize():
-            optimizer.step()
+        errors.append(_step_error(optimizer, _mlp_loss(model, hvd.rank(), step), params))
     return {"params": _params(model), "errors": errors}
 
 
