@@ -63,8 +63,13 @@ _ONE_PROCESS = textwrap.dedent("""
         return {"steps": compression._steps, "calls": calls,
                 "memory": None if memory is None else sorted(memory.state_dict()["residuals"])}
 
+    class Logged(hvdcomp.QSGDMaxNorm):  # a user's wrapper around compress must keep Horovod's names
+        def compress(self, tensor):
+            return super().compress(tensor)
+
     out = {"plain": run(hvdcomp.QSGDMaxNormMultiScale((3, 8))),
            "randk": run(hvdcomp.GlobalRandKMaxNorm(ratio=0.5)),
+           "wrapped": run(Logged(8)),
            "groups": run(hvdcomp.QSGDMaxNorm(8), groups=2)}
     sys.stdout.buffer.write(pickle.dumps(out))
 """)

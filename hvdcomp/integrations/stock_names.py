@@ -11,6 +11,8 @@ frame runs the code of ``horovod.torch.optimizer._DistributedOptimizer``:
   ``self._parameter_names`` (the parameter's own name; Horovod names the grouped collective after
   the group's first).
 
+The frame is searched for from ``compress``'s caller upward (a few frames), so a user's wrapper
+around ``compress`` (logging, say) keeps the names rather than silently falling back to call order.
 A call from any other code in Horovod's optimizer module (another Horovod version, the Adasum
 optimizer), or a frame without the expected locals, raises ``RuntimeError``, so that a Horovod that
 changes these names fails loudly (``tests/test_stock_names.py``) instead of pairing gradients by call
@@ -61,10 +63,17 @@ def _name(optimizer: Any, parameter: torch.Tensor) -> str:
     return name
 
 
+SEARCH_DEPTH = 8  # frames above compress's caller searched for Horovod's optimizer
+
+
 def stock_call(frame: FrameType | None) -> str | None:
-    """Horovod's name for the gradient its stock optimizer is compressing, from ``frame`` (the caller of
-    ``compress``), or ``None`` outside its module; raises ``RuntimeError`` for code of that module it does
-    not know."""
+    """Horovod's name for the gradient its stock optimizer is compressing, from the first frame of its
+    module at or above ``frame`` (the caller of ``compress``), or ``None`` if none is within
+    ``SEARCH_DEPTH``; raises ``RuntimeError`` for code of that module it does not know."""
+    for _ in range(SEARCH_DEPTH):
+        if frame is None or frame.f_globals.get("__name__") == HOROVOD_OPTIMIZER_MODULE:
+            break
+        frame = frame.f_back
     if frame is None or frame.f_globals.get("__name__") != HOROVOD_OPTIMIZER_MODULE:
         return None
     if SINGLE is not None and frame.f_code is SINGLE:
