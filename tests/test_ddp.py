@@ -253,3 +253,23 @@ print('ok', sorted(m for m in sys.modules if m.startswith('horovod') and sys.mod
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.split() == ["ok", "[]"], done.stderr[-3000:]
+
+
+def test_bucket_exchange_routes_both_codec_kinds():
+    from hvdcomp.exchange import NoCompression, Placement, PowerSGD, simulate
+    from hvdcomp.exchange.hierarchy import bucket_exchange
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(6, 5, generator=generator), torch.randn(7, generator=generator)] for _ in range(4)]
+    mean = [torch.stack([g[i] for g in grads]).mean(0) for i in range(2)]
+    for hierarchical in (False, True):
+        flats = [torch.cat([x.reshape(-1) for x in g]) for g in grads]
+        results = simulate([bucket_exchange(NoCompression(), flat, g, "b", 0, Placement(rank, 4, 2), hierarchical)
+                            for rank, (flat, g) in enumerate(zip(flats, grads))], local_size=2)
+        for result in results:
+            assert torch.allclose(result, torch.cat([m.reshape(-1) for m in mean]), atol=1e-6)
+        codecs = [PowerSGD(rank=5) for _ in range(4)]  # full rank: exact up to rounding
+        results = simulate([bucket_exchange(codec, torch.zeros(0), g, "b", 0, Placement(rank, 4, 2), hierarchical)
+                            for rank, (codec, g) in enumerate(zip(codecs, grads))], local_size=2)
+        for result in results:
+            assert all(torch.allclose(r, m, atol=1e-5) for r, m in zip(result, mean)), hierarchical

@@ -64,12 +64,11 @@ class TorchDistributedTransport:
             raise RuntimeError("call torch.distributed.init_process_group(...) before building a "
                                "TorchDistributedTransport")
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
-        local = _local_size_from_launcher(self.size) if local_size is None else local_size
+        size, rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        local = _local_size_from_launcher(size) if local_size is None else local_size
         if isinstance(local, bool) or not isinstance(local, int) or local < 1:
             raise ValueError(f"local_size must be an integer >= 1, got {local!r}")
-        self._placement = Placement(self.rank, self.size, min(local, self.size))
+        self._placement = Placement(rank, size, min(local, size))
         # torchrun's own local rank must agree with the placement (unless local_size emulates nodes)
         launcher_local_rank = int(os.environ.get("LOCAL_RANK", self._placement.local_rank)) \
             if local_size is None else self._placement.local_rank
@@ -79,7 +78,7 @@ class TorchDistributedTransport:
         views = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(views, mine, group=self.process_group)
         seen = torch.stack(views).cpu()
-        self.equal_nodes = bool((seen[:, 0] == local).all() and seen[:, 1].all() and self.size % local == 0)
+        self._equal_nodes = bool((seen[:, 0] == local).all() and seen[:, 1].all() and self.size % local == 0)
         self._node = self._cross = None
         self._whole_world = self.size == dist.get_world_size()
         if self.equal_nodes and self._whole_world and 1 < self.local_size < self.size:
@@ -87,6 +86,9 @@ class TorchDistributedTransport:
             lanes = [list(range(j, self.size, self.local_size)) for j in range(self.local_size)]
             self._cross, _ = dist.new_subgroups_by_enumeration(lanes)
 
+    size = property(lambda self: self._placement.size)
+    rank = property(lambda self: self._placement.rank)
+    equal_nodes = property(lambda self: self._equal_nodes)  # agreed by the constructor's all-gather
     local_size = property(lambda self: self._placement.local_size)
     local_rank = property(lambda self: self._placement.local_rank)
     cross_size = property(lambda self: self._placement.cross_size)
