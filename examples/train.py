@@ -2,6 +2,7 @@
 
     horovodrun -np 32 -H host1:8,host2:8,host3:8,host4:8 python examples/train.py \\
         --dataset cifar10 --data-dir /data/cifar10 --model resnet50 --scheme qsgd --bits 6
+    torchrun --nproc-per-node 2 examples/train.py --engine ddp --scheme qsgd --bits 8   # PyTorch DDP
 
 Without ``--dataset`` it trains a small CNN on scikit-learn's handwritten digits (shipped with
 scikit-learn: no network needed). Rank 0 writes one JSON-lines log per run (the config first, then
@@ -38,6 +39,8 @@ SCHEMES = ("none", "fp16", "qsgd", "qsgd-multiscale", "randk", "randk-multiscale
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("horovod", "ddp"), default="horovod",
+                   help="horovod (horovodrun) or ddp (torchrun: DDP with hvdcomp's hook, see ddp_engine.py)")
     p.add_argument("--dataset", choices=("digits", "cifar10"), default="digits")
     p.add_argument("--data-dir", default="data", help="CIFAR-10 location (torchvision layout)")
     p.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
@@ -154,10 +157,14 @@ def build_compression(args: argparse.Namespace) -> Any:
 
 def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
     if args.scheme == "birder":
+        transport = hvd.transport() if args.engine == "ddp" else None
         return hvdcomp.Birder(model.parameters(), lr=args.birder_lr, beta=args.birder_beta,
-                              weight_decay=args.birder_weight_decay, hierarchical=args.hierarchical, seed=args.seed)
+                              weight_decay=args.birder_weight_decay, hierarchical=args.hierarchical, seed=args.seed,
+                              transport=transport)
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=args.momentum > 0,
                           weight_decay=args.weight_decay)
+    if args.engine == "ddp":
+        return sgd  # DDP's hook exchanges the gradients (main wraps the model)
     return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=build_compression(args),
                                 bucket_size_mb=args.bucket_mb, hierarchical=args.hierarchical)
 
@@ -177,8 +184,8 @@ def lr_lambda(args: argparse.Namespace, steps_per_epoch: int):
 class Meter:
     """Bytes and seconds of the exchange, from the optimizer's statistics, per epoch."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, exchange: Any) -> None:
+        self.exchange = exchange
         self.reset()
 
     def reset(self) -> None:
@@ -187,7 +194,7 @@ class Meter:
 
     def after_step(self) -> None:
         v = self.values
-        last = self.optimizer.stats.last_step  # the same statistics type for our optimizer and Birder
+        last = self.exchange.stats.last_step  # the same statistics type for our optimizer, Birder and the DDP hook
         v["intra_node_bytes"] += last.intra_node_bytes
         v["inter_node_bytes"] += last.inter_node_bytes + last.control_bytes
         v["uncompressed_bytes"] += last.uncompressed_bytes
@@ -222,6 +229,11 @@ def average_buffers(model: nn.Module) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.engine == "ddp":
+        import ddp_engine
+
+        global hvd
+        hvd = ddp_engine  # the few horovod.torch calls of this script, over torch.distributed
     hvd.init(process_sets="dynamic" if args.hierarchical else None)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -236,19 +248,23 @@ def main(argv: list[str] | None = None) -> None:
                          "examples per worker")
     model = MODELS[args.model](num_classes=10, in_channels=channels)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = build_optimizer(args, model)
+    optimizer = exchange = build_optimizer(args, model)  # exchange: what has stats and the codec's state
+    if args.engine == "ddp" and args.scheme != "birder":
+        model, exchange = hvd.wrap(model, build_compression(args), args.bucket_mb, args.hierarchical)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch))
     start_epoch = 0
     if args.resume:
         state = torch.load(f"{args.resume}.rank{rank}", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if exchange is not optimizer:
+            exchange.load_state_dict(state["exchange"])
         schedule.load_state_dict(state["schedule"])
         start_epoch = state["epoch"] + 1
         if hvd.broadcast_object(start_epoch, root_rank=0) != start_epoch:
             raise SystemExit("workers resumed from different epochs; give every worker its own checkpoint")
     numel = sum(p.numel() for p in model.parameters())
-    meter = Meter(optimizer)
+    meter = Meter(exchange)
 
     log = None
     if rank == 0:
@@ -305,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  sent {sent_mib:.2f} MiB "
                   f"(x{record['compression_ratio']:.2f})  {epoch_seconds:.1f}s", flush=True)
         if args.checkpoint:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            hook = exchange.state_dict() if exchange is not optimizer else None  # the DDP hook's codec state
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "exchange": hook,
                         "schedule": schedule.state_dict(), "epoch": epoch, "args": vars(args)},
                        f"{args.checkpoint}.rank{rank}")
         if args.stop_after_epoch is not None and epoch + 1 >= args.stop_after_epoch:

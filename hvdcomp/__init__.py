@@ -6,8 +6,9 @@ Layers, each depending only on those below it:
   PowerSGD's and Birder's math); importable without Horovod or mpi4py;
 - ``hvdcomp.exchange``: protocols of typed collective requests, the bucket codec contract, the
   simulator, hierarchical routing, the 1-bit exchanges, the cost model and the statistics type;
-- ``hvdcomp.transport``: Horovod and MPI carry the requests out;
-- ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer`` and ``Birder``.
+- ``hvdcomp.transport``: Horovod, MPI and torch.distributed carry the requests out;
+- ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer``, ``Birder`` and the
+  PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp`` needs no Horovod).
 
 The public names below load their layer on first use, so ``import hvdcomp.codec`` (or
 ``hvdcomp.exchange``) needs neither Horovod nor mpi4py.
@@ -29,6 +30,7 @@ _HOMES = {
     "Statistics": ".exchange",
     "HorovodTransport": ".transport",
     "MPITransport": ".transport",
+    "TorchDistributedTransport": ".transport",
     "GlobalRandKMaxNorm": ".integrations.compressors",
     "GlobalRandKMaxNormMultiScale": ".integrations.compressors",
     "MaxNormCompressor": ".integrations.compressors",

@@ -35,7 +35,7 @@ PACKAGE = Path(hvdcomp.__file__).parent
 LAYERS = ("codec", "exchange", "transport", "integrations")  # bottom to top
 PUBLIC = ("QSGDMaxNorm", "QSGDMaxNormMultiScale", "GlobalRandKMaxNorm", "GlobalRandKMaxNormMultiScale",
           "DistributedOptimizer", "Birder", "PowerSGD", "FP16", "NoCompression", "MPITransport",
-          "HorovodTransport", "CarrierMismatchError")
+          "HorovodTransport", "TorchDistributedTransport", "CarrierMismatchError")
 
 
 def _imports(path):
@@ -106,7 +106,7 @@ def test_codecs_declare_the_contract():
 
 
 def test_transports_implement_the_protocol():
-    for cls in (hvdcomp.HorovodTransport, hvdcomp.MPITransport):
+    for cls in (hvdcomp.HorovodTransport, hvdcomp.MPITransport, hvdcomp.TorchDistributedTransport):
         missing = [name for name in ("size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
                                      "equal_nodes", "blocking", "start", "poll", "wait", "collective")
                    if not hasattr(cls, name)]

@@ -11,6 +11,8 @@ Nodes must have equal numbers of workers, so the mean of node means is the mean 
   learns where its slice lies in the bucket (``bucket.Segments``).
 - ``hierarchical_tensors``: shards are whole tensors, balanced by size (e.g. PowerSGD).
 
+``bucket_exchange`` picks the route of one bucket for any codec, hierarchical or over all workers.
+
 ``shard_bounds`` is the one sharding rule of the project (Birder's 1-bit exchange uses it too):
 shards of ``ceil(numel / shards)`` elements, the last ones shorter or empty.
 """
@@ -21,8 +23,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from .bucket import Segments
-from .protocol import Exchange, Op, relay
+from .bucket import BucketCodec, ElementwiseCodec, Segments
+from .protocol import Exchange, Op, Topology, relay
 
 
 def across_nodes(inner: Exchange) -> Exchange:
@@ -106,3 +108,29 @@ def hierarchical_tensors(
     for index, piece in zip(order, pieces):
         out[index] = piece.view(grads[index].shape)
     return out
+
+
+def bucket_exchange(codec: BucketCodec, flat: torch.Tensor, grads: Sequence[torch.Tensor], key: Hashable, step: int,
+                    topology: Topology, hierarchical: bool) -> Exchange:
+    """One bucket's exchange with ``codec``, hierarchical or over all ``topology.size`` workers.
+
+    An ``ElementwiseCodec`` exchanges ``flat`` (float32, ``grads`` concatenated, filled by the caller;
+    scratch when hierarchical) and returns the flat mean; a ``TensorCodec`` exchanges ``grads`` and returns
+    the list of means."""
+    t = topology
+    if isinstance(codec, ElementwiseCodec):
+        sizes = [g.numel() for g in grads]
+        if not hierarchical:
+            return codec.exchange(flat, sizes, key, step, t.size)
+
+        def shard(x: torch.Tensor, segments: Sequence[int], shard_key: Hashable, size: int) -> Exchange:
+            return codec.exchange(x, segments, shard_key, step, size)
+
+        return hierarchical_elementwise(shard, flat, sizes, key, t.local_size, t.local_rank, t.cross_size)
+    if not hierarchical:
+        return codec.exchange(grads, key, step, t.size)
+
+    def tensors(xs: list[torch.Tensor], shard_key: Hashable, size: int) -> Exchange:
+        return codec.exchange(xs, shard_key, step, size)
+
+    return hierarchical_tensors(tensors, grads, key, t.local_size, t.local_rank, t.cross_size)

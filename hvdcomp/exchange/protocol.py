@@ -141,8 +141,9 @@ class Transport(Topology, Protocol):
     when several are in flight. ``poll`` says whether it has completed, ``wait`` returns its result
     (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``. A transport
     reads the request's tensor and never writes it: exchanges may use it again after the result.
-    ``blocking`` is True when ``start`` completes the collective before returning (collectives then
-    pair by call order, so every worker must start them in the same order).
+    ``blocking`` is True when collectives pair by call order, not by name: ``start`` completes the
+    collective before returning (MPI) or queues it (torch.distributed); every worker must then start
+    them in the same order.
     """
 
     blocking: bool

@@ -1,0 +1,74 @@
+"""``examples/train.py --engine ddp``: the same training over torch.distributed, launched by torchrun.
+
+    torchrun --nproc-per-node 2 examples/train.py --engine ddp --scheme qsgd --bits 8
+
+``train.py`` calls a handful of ``horovod.torch`` functions (``init``, ``rank``, ``size``, ``local_size``,
+``allreduce``, ``broadcast_parameters``, ``broadcast_object``, ``barrier``); this module offers the same
+names over torch.distributed (Gloo), so there is one training loop for both engines. ``wrap`` puts the
+model in DDP with hvdcomp's hook; Birder exchanges by itself over ``transport()``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hvdcomp.ddp
+
+Sum, Average = "sum", "average"
+
+
+def init(process_sets: Any = None) -> None:
+    """Join torchrun's job (Gloo: the example trains on CPU); ``process_sets`` is Horovod's and unused."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def size() -> int:
+    return dist.get_world_size()
+
+
+def local_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", size()))
+
+
+def allreduce(tensor: torch.Tensor, op: str = Average, name: str | None = None) -> torch.Tensor:
+    """The sum (``Sum``) or mean (``Average``) over the workers, in a new tensor."""
+    result = tensor.detach().clone()
+    dist.all_reduce(result)
+    return result.div_(size()) if op == Average else result
+
+
+def broadcast_parameters(state: dict[str, torch.Tensor], root_rank: int) -> None:
+    for tensor in state.values():
+        dist.broadcast(tensor, src=root_rank)
+
+
+def broadcast_object(obj: Any, root_rank: int) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=root_rank)
+    return box[0]
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def transport() -> hvdcomp.ddp.TorchDistributedTransport:
+    """Birder's transport (nodes from torchrun's ``LOCAL_WORLD_SIZE``)."""
+    return hvdcomp.ddp.TorchDistributedTransport()
+
+
+def wrap(model: nn.Module, compression: Any, bucket_mb: float, hierarchical: bool) -> tuple[nn.Module, Any]:
+    """``model`` in DDP with hvdcomp's hook running ``compression``; returns (the DDP model, the hook's state,
+    which has ``stats`` and ``state_dict``)."""
+    ddp_model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    return ddp_model, hvdcomp.ddp.register(ddp_model, compression, hierarchical=hierarchical)

@@ -1,0 +1,19 @@
+"""hvdcomp on PyTorch DDP: the same codecs as a DDP communication hook, without Horovod.
+
+    import hvdcomp.ddp
+
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    state = hvdcomp.ddp.register(model, hvdcomp.PowerSGD(rank=1))   # or hvdcomp.QSGDMaxNorm(8), FP16(), ...
+    ...                                                               # train as usual; no_sync works
+    state.stats.last_step, state.state_dict(), state.load_state_dict(...)
+
+``register`` and ``CompressionState`` are ``hvdcomp.integrations.ddp``'s; ``TorchDistributedTransport``
+(``hvdcomp.transport.torch_distributed``) also carries ``hvdcomp.Birder``'s exchange on DDP-launched
+processes: ``Birder(params, lr=..., transport=TorchDistributedTransport())``. Importing this module
+imports neither Horovod nor mpi4py.
+"""
+
+from .integrations.ddp import CompressionState, codec_for, compression_hook, register
+from .transport.torch_distributed import TorchDistributedTransport
+
+__all__ = ["CompressionState", "TorchDistributedTransport", "codec_for", "compression_hook", "register"]
