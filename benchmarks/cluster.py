@@ -3,8 +3,9 @@
 Builds ``--nodes`` network namespaces behind one switch, every link shaped by tc to each ``--rates`` rate
 (``cluster_netns``), and runs every scheme (``cluster_schemes``) in fresh worker processes inside them
 (``cluster_worker``): Horovod Gloo workers through Horovod's own rendezvous server, as ``horovod.ray``
-starts them, or torch DDP Gloo workers. A scheme that stops making progress for ``--stall-timeout``
-seconds is reported as a hang, one whose worker fails as an error; the run goes on. Needs root.
+starts them, or torch DDP Gloo workers. A scheme whose workers do not start within ``--startup-timeout``
+seconds, or then finish no step for ``--stall-timeout`` seconds, is reported as a hang, one whose worker
+fails as an error; the run goes on. Needs root.
 
     python benchmarks/cluster.py --quick
     python benchmarks/cluster.py --nodes 2 --workers-per-node 1 --rates 1gbit,10gbit --reps 3 \\
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 DDP_PORT = 29500
 KILL_GRACE_S = 3.0
+ERROR_LINE = re.compile(r".*(Error|Exception|what\(\)|terminate called|Aborted).*")
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps before them (default 3; 2 with --quick)")
     parser.add_argument("--threads", type=int, help="torch threads per worker (default: cores / workers, >= 1)")
     parser.add_argument("--stall-timeout", type=float,
-                        help="seconds without a worker's progress before a scheme counts as hung (default 120)")
+                        help="seconds without a step finished before a scheme counts as hung (default 120)")
+    parser.add_argument("--startup-timeout", type=float,
+                        help="seconds for the workers to start (imports, model, init) before a hang (default 300)")
+    parser.add_argument("--logs", help="keep every scheme's worker logs under LOGS/<rate>/<scheme>/")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--plot", help="write a PNG of seconds per exchange against link rate here")
     parser.add_argument("--quick", action="store_true",
@@ -59,12 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {"nodes": 2, "workers_per_node": 1, "rates": "1gbit", "model": "quick" if quick else "resnet50",
-                "reps": 3, "warmup": 2 if quick else 3, "stall_timeout": 120.0}
+                "reps": 3, "warmup": 2 if quick else 3, "stall_timeout": 120.0, "startup_timeout": 300.0}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.nodes < 2 or args.workers_per_node < 1 or args.reps < 1 or args.warmup < 0 or args.stall_timeout <= 0:
-        parser.error("need --nodes >= 2, --workers-per-node >= 1, --reps >= 1, --warmup >= 0, --stall-timeout > 0")
+    if (args.nodes < 2 or args.workers_per_node < 1 or args.reps < 1 or args.warmup < 0 or args.stall_timeout <= 0
+            or args.startup_timeout <= 0):
+        parser.error("need --nodes >= 2, --workers-per-node >= 1, --reps >= 1, --warmup >= 0 and positive timeouts")
     try:
         args.rate_list = [(rate.strip(), parse_rate(rate)) for rate in args.rates.split(",")]
         names = args.schemes.split(",") if args.schemes else (list(QUICK) if quick
@@ -124,11 +133,16 @@ def _progress(out: Path, workers: int) -> tuple[float, int]:
     return latest, min(steps) if len(steps) == workers else 0
 
 
-def _log_tail(out: Path, workers: int, lines: int = 6) -> str:
-    """The last lines of the first failing-looking worker log (one with a traceback), else of rank 0's."""
-    logs = [(out / f"rank{rank}.log").read_text(errors="replace") for rank in range(workers)]
-    chosen = next((log for log in logs if "Traceback" in log or "Error" in log), logs[0])
-    return " / ".join(line.strip() for line in chosen.strip().splitlines()[-lines:])
+def _error_line(out: Path, workers: int) -> str:
+    """The last error-looking line (Python exception, C++ ``what()``, abort) of the first worker log that has
+    one, without torch's ``[rankN]:`` prefix; else the last line of rank 0's log."""
+    logs = [(out / f"rank{rank}.log").read_text(errors="replace").splitlines() for rank in range(workers)]
+    for log in logs:
+        errors = [ERROR_LINE.search(line) for line in log]
+        found = [match.group(0) for match in errors if match]
+        if found:
+            return RANK_PREFIX.sub("", found[-1]).strip()[:300]
+    return (logs[0] or ["(no output)"])[-1].strip()[:300]
 
 
 def run_scheme(cluster: Cluster, args: argparse.Namespace, scheme: str, index: int) -> dict[str, Any]:
@@ -159,30 +173,37 @@ def run_scheme(cluster: Cluster, args: argparse.Namespace, scheme: str, index: i
                     processes.append(subprocess.Popen(cluster.exec_prefix(node) + command, env=env, stdout=log,
                                                       stderr=subprocess.STDOUT, start_new_session=True))
                     log.close()
-            return _watch(base, processes[-workers:], out, workers, args.stall_timeout)
+            return _watch(base, processes[-workers:], out, workers, args)
         finally:
             _stop(processes)
+            if args.logs:
+                kept = Path(args.logs) / cluster.rate / scheme.replace(":", "-")
+                shutil.copytree(out, kept, dirs_exist_ok=True)
 
 
 def _watch(base: dict[str, Any], workers: list[subprocess.Popen], out: Path, count: int,
-           stall_timeout: float) -> dict[str, Any]:
-    """Wait for the workers: all done -> ok; one exits non-zero -> error; no progress for stall_timeout -> hang."""
+           args: argparse.Namespace) -> dict[str, Any]:
+    """Wait for the workers: every result written -> ok (a worker slow to exit afterwards does not matter);
+    one exits non-zero -> error; no worker started within ``startup_timeout``, or no progress after
+    start-up for ``stall_timeout`` -> hang."""
     started = time.time()
     while True:
+        results = [out / f"rank{rank}.json" for rank in range(count)]
+        if all(result.exists() for result in results):
+            return cluster_report.summarize(base, [json.loads(result.read_text()) for result in results])
         codes = [w.poll() for w in workers]
-        if all(code == 0 for code in codes):
-            ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(count)]
-            return cluster_report.summarize(base, ranks)
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             time.sleep(KILL_GRACE_S)  # let the others print their side of it
             _stop(workers)
             return cluster_report.failed(base, "error", f"rank {failed[0]} exited {codes[failed[0]]}: "
-                                                        f"{_log_tail(out, count)}")
+                                                        f"{_error_line(out, count)}")
         latest, steps = _progress(out, count)
-        if time.time() - max(started, latest) > stall_timeout:
-            where = "in start-up" if latest == 0.0 else f"after {steps} of {base['warmup'] + base['reps']} steps"
-            return cluster_report.failed(base, "hang", f"no progress for {stall_timeout:.0f} s {where}")
+        if latest == 0.0 and time.time() - started > args.startup_timeout:
+            return cluster_report.failed(base, "hang", f"no worker started within {args.startup_timeout:.0f} s")
+        if latest and time.time() - latest > args.stall_timeout:
+            return cluster_report.failed(base, "hang", f"no progress for {args.stall_timeout:.0f} s after {steps} "
+                                                       f"of {base['warmup'] + base['reps']} steps")
         time.sleep(0.2)
 
 

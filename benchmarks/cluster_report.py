@@ -10,6 +10,8 @@ import statistics
 from typing import Any
 
 BASELINES = ("horovod:fp32", "ddp:fp16")
+DETAIL_CHARS = 100  # of a hang's or error's detail in the table (the JSON keeps it whole)
+FAMILY_LINES = {"hvdcomp": "-", "horovod": "--", "ddp": ":", "stock": "-."}
 SECONDS = ("compress_s", "communicate_s", "decompress_s")
 
 
@@ -48,14 +50,16 @@ def _number(value: float | None, digits: int) -> str:
 
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown table of the records of one cluster shape and rate, in their order; speed-ups are the
-    baseline's median over the scheme's median (``×1.5``: 1.5 times as fast)."""
+    baseline's median over the scheme's median (``×1.5``: 1.5 times as fast); a hang or error shows its
+    status and the start of its detail."""
     medians = {r["scheme"]: r["median_s"] for r in records if r["status"] == "ok"}
     lines = ["| scheme | bits/element between nodes | median s | min s | compress s | communicate s | decompress s"
              + "".join(f" | vs {b}" for b in BASELINES) + " |",
              "|---" * (7 + len(BASELINES)) + "|"]
     for r in records:
         if r["status"] != "ok":
-            lines.append(f"| {r['scheme']} | – | {r['status']}: {r['detail']} |" + " – |" * (4 + len(BASELINES)))
+            detail = r["detail"] if len(r["detail"]) <= DETAIL_CHARS else r["detail"][:DETAIL_CHARS] + "…"
+            lines.append(f"| {r['scheme']} | – | {r['status']}: {detail} |" + " – |" * (4 + len(BASELINES)))
             continue
         speedups = [f"×{medians[b] / r['median_s']:.2f}" if b in medians else "–" for b in BASELINES]
         cells = [r["scheme"], _number(r["bits_per_element"], 2), _number(r["median_s"], 3), _number(r["min_s"], 3),
@@ -65,24 +69,28 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: str) -> None:
-    """PNG of median seconds per exchange against link rate (log axis), one line per scheme."""
+    """PNG of median seconds per exchange against link rate (log axes), one line per scheme, line style by
+    family (hvdcomp solid, Horovod dashed, DDP dotted, stock dash-dot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for scheme in dict.fromkeys(r["scheme"] for r in records):
+    figure, axes = plt.subplots(figsize=(9, 6))
+    colors = plt.get_cmap("tab20").colors
+    for index, scheme in enumerate(dict.fromkeys(r["scheme"] for r in records)):
         points = sorted((r["rate_bps"], r["median_s"]) for r in records
                         if r["scheme"] == scheme and r["status"] == "ok")
         if points:
-            axes.plot(*zip(*points), marker="o", label=scheme)
+            axes.plot(*zip(*points), marker="o", label=scheme, color=colors[index % len(colors)],
+                      linestyle=FAMILY_LINES.get(scheme.split(":")[0], "-"))
     first = next((r for r in records if r["status"] == "ok"), records[0])
     size = f" ({first['elements'] / 1e6:.2f}M parameters)" if first.get("elements") else ""
     axes.set_xscale("log")
+    axes.set_yscale("log")
     axes.set_xlabel("link rate (bit/s)")
     axes.set_ylabel("seconds per exchange (median)")
-    axes.set_title(f"{first['model']}{size}, {first['nodes']} nodes × {first['workers_per_node']} workers")
+    axes.set_title(f"{first['model']}{size}, {first['nodes']} nodes × {first['workers_per_node']} worker(s)")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small", ncol=2)
     figure.tight_layout()

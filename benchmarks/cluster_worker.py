@@ -172,7 +172,9 @@ def main() -> None:
     seconds, traffic = time_steps(run, args.warmup, args.reps, args.out / f"rank{rank}.progress")
     result = {"step_s": seconds, "traffic": traffic, "payload_bits": run.payload_bits(),
               "elements": sum(p.numel() for p in model.parameters())}
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    partial = args.out / f"rank{rank}.json.partial"
+    partial.write_text(json.dumps(result))
+    partial.replace(args.out / f"rank{rank}.json")  # appears whole: the orchestrator reads it as soon as it exists
 
 
 if __name__ == "__main__":
