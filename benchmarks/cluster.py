@@ -33,9 +33,10 @@ from cluster_schemes import QUICK, default_schemes, parse_scheme
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-DDP_PORT = 29500
+DDP_PORT = 29500  # + the scheme's index: rank 0's TCP store for DDP schemes
 KILL_GRACE_S = 3.0
-ERROR_LINE = re.compile(r".*(Error|Exception|what\(\)|terminate called|Aborted).*")
+ERROR_LINE = re.compile(r"Error|Exception|what\(\)|terminate called|Aborted")
+MESSAGE_LINE = re.compile(r"what\(\):|\w+(Error|Exception): ")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
@@ -133,15 +134,17 @@ def _progress(out: Path, workers: int) -> tuple[float, int]:
     return latest, min(steps) if len(steps) == workers else 0
 
 
-def _error_line(out: Path, workers: int) -> str:
-    """The last error-looking line (Python exception, C++ ``what()``, abort) of the first worker log that has
-    one, without torch's ``[rankN]:`` prefix; else the last line of rank 0's log."""
-    logs = [(out / f"rank{rank}.log").read_text(errors="replace").splitlines() for rank in range(workers)]
+def _error_line(out: Path, workers: int, first: int) -> str:
+    """The error message of a failed run, rank ``first``'s log searched before the others': its first line
+    with a message (a C++ ``what()``, a Python ``...Error:``), else its last error-looking line (an
+    abort), without torch's ``[rankN]:`` prefix; else the last line of that rank's log."""
+    order = [first] + [rank for rank in range(workers) if rank != first]
+    logs = [(out / f"rank{rank}.log").read_text(errors="replace").splitlines() for rank in order]
     for log in logs:
-        errors = [ERROR_LINE.search(line) for line in log]
-        found = [match.group(0) for match in errors if match]
-        if found:
-            return RANK_PREFIX.sub("", found[-1]).strip()[:300]
+        messages = [line for line in log if MESSAGE_LINE.search(line)]
+        errors = [line for line in log if ERROR_LINE.search(line)]
+        if messages or errors:
+            return RANK_PREFIX.sub("", (messages or errors[-1:])[0]).strip()[:300]
     return (logs[0] or ["(no output)"])[-1].strip()[:300]
 
 
@@ -156,18 +159,19 @@ def run_scheme(cluster: Cluster, args: argparse.Namespace, scheme: str, index: i
     with tempfile.TemporaryDirectory(prefix="hvdcomp-cluster-") as tmp:
         out = Path(tmp)
         try:
-            port = DDP_PORT + index
-            if not ddp:
-                server, port = _start_rendezvous(cluster, args)
-                processes.append(server)
             command = [sys.executable, str(HERE / "cluster_worker.py"), "--scheme", scheme, "--model", args.model,
                        "--warmup", str(args.warmup), "--reps", str(args.reps), "--threads", str(args.threads),
-                       "--out", str(out), "--ddp-init", f"tcp://{cluster.address(0)}:{port}"]
+                       "--out", str(out)]
+            if ddp:
+                command += ["--ddp-init", f"tcp://{cluster.address(0)}:{DDP_PORT + index}"]
+            else:
+                server, rendezvous_port = _start_rendezvous(cluster, args)
+                processes.append(server)
             python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
             for node in range(cluster.nodes):
                 for local in range(args.workers_per_node):
-                    extra = _ddp_env(cluster, args, node, local) if ddp else _horovod_env(cluster, args, node, local,
-                                                                                          port)
+                    extra = (_ddp_env(cluster, args, node, local) if ddp
+                             else _horovod_env(cluster, args, node, local, rendezvous_port))
                     env = {**os.environ, **extra, "PYTHONPATH": python_path}
                     log = open(out / f"rank{node * args.workers_per_node + local}.log", "w")
                     processes.append(subprocess.Popen(cluster.exec_prefix(node) + command, env=env, stdout=log,
@@ -197,7 +201,7 @@ def _watch(base: dict[str, Any], workers: list[subprocess.Popen], out: Path, cou
             time.sleep(KILL_GRACE_S)  # let the others print their side of it
             _stop(workers)
             return cluster_report.failed(base, "error", f"rank {failed[0]} exited {codes[failed[0]]}: "
-                                                        f"{_error_line(out, count)}")
+                                                        f"{_error_line(out, count, failed[0])}")
         latest, steps = _progress(out, count)
         if latest == 0.0 and time.time() - started > args.startup_timeout:
             return cluster_report.failed(base, "hang", f"no worker started within {args.startup_timeout:.0f} s")
