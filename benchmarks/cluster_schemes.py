@@ -1,0 +1,73 @@
+"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with an optional ``:hier`` suffix.
+
+Families:
+
+- ``horovod``: stock ``hvd.DistributedOptimizer``; ``fp32`` (``Compression.none``), ``fp16``;
+- ``ddp``: torch ``DistributedDataParallel`` over Gloo; ``fp32``, ``fp16`` (``fp16_compress_hook``),
+  ``powersgd1`` (``powerSGD_hook``, rank 1);
+- ``hvdcomp``: ``hvdcomp.DistributedOptimizer`` with ``none``, ``fp16``, ``qsgd<bits>``,
+  ``multiscale48`` (bits 4 and 8), ``randk1`` (1% of each tensor, 8 bits), ``powersgd1``; or ``birder``
+  (``hvdcomp.Birder``). ``:hier`` makes the exchange hierarchical (full precision inside a node, the
+  compressed payload between nodes);
+- ``stock``: stock ``hvd.DistributedOptimizer(compression=hvdcomp.QSGDMaxNorm(<bits>))``: ``qsgd<bits>``.
+
+Pure (no torch, no Horovod): both the orchestrator and the workers import it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+FAMILIES = {
+    "horovod": ("fp32", "fp16"),
+    "ddp": ("fp32", "fp16", "powersgd1"),
+    "hvdcomp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
+    "stock": ("qsgd<bits>",),
+}
+QSGD = re.compile(r"qsgd([1-9]|1[0-6])")
+PAYLOAD_BITS = {"fp32": 32, "fp16": 16}  # bits per element of the uncompressed peers' payloads
+
+DEFAULT = ("horovod:fp32", "horovod:fp16", "ddp:fp32", "ddp:fp16", "ddp:powersgd1", "hvdcomp:none",
+           "hvdcomp:fp16", "hvdcomp:qsgd2", "hvdcomp:qsgd4", "hvdcomp:qsgd8", "hvdcomp:multiscale48",
+           "hvdcomp:randk1", "hvdcomp:powersgd1", "hvdcomp:birder", "stock:qsgd4")
+HIERARCHICAL_DEFAULT = ("hvdcomp:fp16:hier", "hvdcomp:qsgd4:hier", "hvdcomp:powersgd1:hier", "hvdcomp:birder:hier")
+QUICK = ("horovod:fp32", "horovod:fp16", "ddp:fp16", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp:powersgd1",
+         "hvdcomp:birder", "stock:qsgd4")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    family: str
+    variant: str
+    hierarchical: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}:{self.variant}" + (":hier" if self.hierarchical else "")
+
+    @property
+    def qsgd_bits(self) -> int | None:
+        match = QSGD.fullmatch(self.variant)
+        return int(match.group(1)) if match else None
+
+
+def parse_scheme(name: str) -> Scheme:
+    """``"hvdcomp:qsgd4:hier"`` -> ``Scheme("hvdcomp", "qsgd4", True)``; ValueError naming the choices."""
+    parts = name.strip().split(":")
+    hierarchical = len(parts) == 3 and parts[2] == "hier"
+    family, variant = (parts + [""])[:2]
+    known = FAMILIES.get(family, ())
+    valid = variant in known or ("qsgd<bits>" in known and QSGD.fullmatch(variant) is not None)
+    if len(parts) not in (2, 3) or (len(parts) == 3 and not hierarchical) or not valid:
+        choices = "; ".join(f"{f}:{{{','.join(v)}}}" for f, v in FAMILIES.items())
+        raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp ones with "
+                         "an optional :hier suffix")
+    if hierarchical and family != "hvdcomp":
+        raise ValueError(f"scheme {name!r}: only hvdcomp schemes have a hierarchical (:hier) variant")
+    return Scheme(family, variant, hierarchical)
+
+
+def default_schemes(workers_per_node: int) -> list[str]:
+    """Every scheme of the issue, plus the hierarchical ones when nodes have several workers."""
+    return list(DEFAULT) + (list(HIERARCHICAL_DEFAULT) if workers_per_node > 1 else [])

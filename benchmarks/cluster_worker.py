@@ -1,0 +1,181 @@
+"""One worker of ``benchmarks/cluster.py``: times one scheme's gradient exchange (started by the orchestrator
+inside a node's network namespace; not meant to be run by hand).
+
+The loss is linear in the parameters, ``sum(p * c)`` with fixed per-worker coefficients ``c`` (the
+gradient is ``c``), so backward costs next to nothing and the gradient hooks fire in the model's real
+backward order: the wall time of ``backward()`` + ``step()`` is the exchange. Each timed step starts
+after a barrier. Horovod schemes read ``HOROVOD_*`` from the environment (the orchestrator sets them as
+``horovod.ray`` does); DDP schemes read ``RANK`` and ``WORLD_SIZE`` and join ``--ddp-init``.
+
+Writes ``<out>/rank<R>.json``: ``step_s`` (seconds of each timed step), ``traffic`` (per timed step,
+``Traffic.as_dict()`` of hvdcomp's statistics, or null where the scheme has none), ``elements``
+(parameters) and ``payload_bits`` (bits per element of the peers' payloads, or null). Writes
+the number of steps finished to ``<out>/rank<R>.progress`` after start-up and after every step, for the
+orchestrator's stall watchdog.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from cluster_schemes import PAYLOAD_BITS, Scheme, parse_scheme  # noqa: E402
+from models import MODELS, ResNet50  # noqa: E402
+
+BIRDER_HYPERPARAMETERS = {"lr": 0.004, "beta": 0.95, "weight_decay": 0.1}  # the Birder paper's ResNet-50 ones
+
+
+def quick_model() -> nn.Module:
+    """The CIFAR ResNet-50's stem and first 7 bottleneck blocks with a 1000-way head: 1.95M parameters."""
+    resnet = ResNet50()
+    return nn.Sequential(resnet.stem, resnet.layers[:7], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+
+
+BENCH_MODELS: dict[str, Callable[[], nn.Module]] = {**MODELS, "quick": quick_model}
+
+
+class LinearLoss(nn.Module):
+    """``forward()`` returns ``sum(p * c)`` over ``model``'s parameters, in forward order, so that autograd
+    reaches them in reverse (backward) order. ``c`` is fixed, drawn from a per-rank generator."""
+
+    def __init__(self, model: nn.Module, rank: int) -> None:
+        super().__init__()
+        self.model = model
+        generator = torch.Generator().manual_seed(1000 + rank)
+        self.coefficients = [torch.randn(p.shape, generator=generator) * 1e-3 for p in model.parameters()]
+
+    def forward(self) -> torch.Tensor:
+        return sum((p * c).sum() for p, c in zip(self.model.parameters(), self.coefficients))
+
+
+class Run:
+    """What a timed loop needs from a scheme: the module to call, the optimizer, a barrier, the statistics."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, barrier: Callable[[], None],
+                 traffic: Callable[[], dict[str, float] | None], payload_bits: Callable[[], float | None]) -> None:
+        self.module, self.optimizer, self.barrier = module, optimizer, barrier
+        self.traffic, self.payload_bits = traffic, payload_bits
+
+
+def _hvdcomp_compression(variant: str, bits: int | None) -> Any:
+    import hvdcomp
+
+    if bits is not None:
+        return hvdcomp.QSGDMaxNorm(bits)
+    return {"none": hvdcomp.NoCompression, "fp16": hvdcomp.FP16,
+            "multiscale48": lambda: hvdcomp.QSGDMaxNormMultiScale((4, 8)),
+            "randk1": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.01),
+            "powersgd1": lambda: hvdcomp.PowerSGD(rank=1)}[variant]()
+
+
+def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
+    """horovod:*, stock:* and hvdcomp:* schemes (hvd.init here; hierarchical ones with dynamic process sets)."""
+    import horovod.torch as hvd
+
+    import hvdcomp
+
+    hvd.init(process_sets="dynamic" if scheme.hierarchical else None)
+    module = LinearLoss(model, hvd.rank())
+    named = list(model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stats = None
+    if scheme.family == "horovod":
+        compression = hvd.Compression.fp16 if scheme.variant == "fp16" else hvd.Compression.none
+        optimizer = hvd.DistributedOptimizer(sgd, named_parameters=named, compression=compression)
+    elif scheme.family == "stock":
+        compression = hvdcomp.QSGDMaxNorm(scheme.qsgd_bits)
+        optimizer = hvd.DistributedOptimizer(sgd, named_parameters=named, compression=compression)
+        stats = compression.stats
+    elif scheme.variant == "birder":
+        optimizer = hvdcomp.Birder(model.parameters(), hierarchical=scheme.hierarchical, **BIRDER_HYPERPARAMETERS)
+        stats = optimizer.stats
+    else:
+        compression = _hvdcomp_compression(scheme.variant, scheme.qsgd_bits)
+        optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=named, compression=compression,
+                                                 hierarchical=scheme.hierarchical)
+        stats = optimizer.stats
+    return Run(module, optimizer, hvd.barrier,
+               lambda: stats.last_step.as_dict() if stats is not None else None,
+               lambda: PAYLOAD_BITS.get(scheme.variant) if scheme.family == "horovod" else None)
+
+
+def ddp_run(scheme: Scheme, model: nn.Module, init_method: str) -> Run:
+    """ddp:* schemes: torch DDP over Gloo (``GLOO_SOCKET_IFNAME`` picks the interface)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    module = DistributedDataParallel(LinearLoss(model, rank), broadcast_buffers=False)
+    payload_bits: Callable[[], float | None] = lambda: PAYLOAD_BITS.get(scheme.variant)  # noqa: E731
+    if scheme.variant == "fp16":
+        module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif scheme.variant == "powersgd1":
+        # start_powerSGD_iter=2: the smallest torch accepts with error feedback; warm-up covers it
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+        def payload_bits() -> float | None:
+            _, before, after = state.compression_stats()
+            return 32.0 * after / before if before else None
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return Run(module, optimizer, dist.barrier, lambda: None, payload_bits)
+
+
+def time_steps(run: Run, warmup: int, reps: int, progress: Path) -> tuple[list[float], list[Any]]:
+    """Seconds of backward() + step() of each of ``reps`` steps after ``warmup`` untimed ones, and the
+    scheme's traffic of each timed step. ``progress`` holds the number of steps finished."""
+    seconds, traffic = [], []
+    progress.write_text("0")
+    for step in range(warmup + reps):
+        run.optimizer.zero_grad()
+        loss = run.module()
+        run.barrier()
+        started = time.perf_counter()
+        loss.backward()
+        run.optimizer.step()
+        elapsed = time.perf_counter() - started
+        if step >= warmup:
+            seconds.append(elapsed)
+            traffic.append(run.traffic())
+        progress.write_text(str(step + 1))
+    return seconds, traffic
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scheme", required=True)
+    parser.add_argument("--model", choices=sorted(BENCH_MODELS), required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--reps", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ddp-init", help="tcp://ADDRESS:PORT of rank 0 (ddp schemes)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    scheme = parse_scheme(args.scheme)
+    torch.manual_seed(0)  # the same initial weights on every worker
+    model = BENCH_MODELS[args.model]()
+    rank = int(os.environ["RANK"] if scheme.family == "ddp" else os.environ["HOROVOD_RANK"])
+    run = ddp_run(scheme, model, args.ddp_init) if scheme.family == "ddp" else horovod_run(scheme, model)
+    seconds, traffic = time_steps(run, args.warmup, args.reps, args.out / f"rank{rank}.progress")
+    result = {"step_s": seconds, "traffic": traffic, "payload_bits": run.payload_bits(),
+              "elements": sum(p.numel() for p in model.parameters())}
+    partial = args.out / f"rank{rank}.json.partial"
+    partial.write_text(json.dumps(result))
+    partial.replace(args.out / f"rank{rank}.json")  # appears whole: the orchestrator reads it as soon as it exists
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""benchmarks/cluster.py: its pure parts (rates, scheme names, options, records, table) and, as root with
+``ip``, a real ``--quick`` run on an emulated cluster plus clean-up when it is terminated."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import cluster  # noqa: E402
+import cluster_report  # noqa: E402
+from cluster_netns import PREFIX, our_namespaces, parse_rate, why_unavailable  # noqa: E402
+from cluster_schemes import DEFAULT, HIERARCHICAL_DEFAULT, QUICK, Scheme, default_schemes, parse_scheme  # noqa: E402
+
+
+def test_parse_rate():
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("2.5Gbit") == 2_500_000_000
+    assert parse_rate("100mbit") == 10**8
+    for bad in ("1gb", "fast", "0gbit", "-1mbit", ""):
+        with pytest.raises(ValueError, match="rate"):
+            parse_rate(bad)
+
+
+def test_scheme_names():
+    for name in DEFAULT + HIERARCHICAL_DEFAULT + QUICK:
+        assert parse_scheme(name).name == name
+    assert parse_scheme("hvdcomp:qsgd4:hier") == Scheme("hvdcomp", "qsgd4", True)
+    assert parse_scheme("stock:qsgd8").qsgd_bits == 8
+    assert parse_scheme("hvdcomp:birder").qsgd_bits is None
+    for bad in ("horovod:qsgd4", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp", "mpi:fp32"):
+        with pytest.raises(ValueError, match="scheme"):
+            parse_scheme(bad)
+    assert default_schemes(1) == list(DEFAULT)
+    assert default_schemes(2) == list(DEFAULT + HIERARCHICAL_DEFAULT)
+
+
+def test_options(capsys):
+    quick = cluster.parse_args(["--quick"])
+    assert (quick.nodes, quick.workers_per_node, quick.model, quick.rate_list) == (2, 1, "quick", [("1gbit", 10**9)])
+    assert quick.scheme_list == list(QUICK)
+    full = cluster.parse_args(["--nodes", "4", "--workers-per-node", "2", "--rates", "1gbit,10gbit",
+                               "--schemes", "horovod:fp32,hvdcomp:qsgd4:hier", "--threads", "2"])
+    assert full.model == "resnet50" and full.threads == 2 and full.warmup == 3
+    assert [rate for _, rate in full.rate_list] == [10**9, 10**10]
+    assert full.scheme_list == ["horovod:fp32", "hvdcomp:qsgd4:hier"]
+    for bad in (["--rates", "1gb"], ["--schemes", "hvdcomp:zip"], ["--nodes", "1"], ["--reps", "0"]):
+        with pytest.raises(SystemExit):
+            cluster.parse_args(bad)
+    assert "rate '1gb'" in capsys.readouterr().err
+
+
+def test_records_and_table():
+    base = {"scheme": "hvdcomp:qsgd4", "nodes": 2, "workers_per_node": 1, "rate": "1gbit", "rate_bps": 10**9,
+            "model": "quick", "reps": 3, "warmup": 1, "threads": 1}
+    traffic = [{"inter_node_bytes": 100, "compress_s": c, "communicate_s": 0.5, "decompress_s": 0.1} for c in (1, 2, 3)]
+    ranks = [{"step_s": [1.0, 4.0, 2.0], "traffic": traffic, "payload_bits": None, "elements": 200},
+             {"step_s": [3.0, 1.0, 2.5], "traffic": traffic, "payload_bits": None, "elements": 200}]
+    record = cluster_report.summarize(base, ranks)
+    assert record["step_s"] == [3.0, 4.0, 2.5]  # the slowest worker's time of each step
+    assert (record["median_s"], record["min_s"]) == (3.0, 2.5)
+    assert record["bits_per_element"] == 4.0 and record["compress_s"] == 2
+    fp32 = cluster_report.summarize({**base, "scheme": "horovod:fp32"},
+                                    [{"step_s": [6.0], "traffic": [None], "payload_bits": 32, "elements": 200}])
+    assert fp32["bits_per_element"] == 32 and fp32["compress_s"] is None
+    hang = cluster_report.failed({**base, "scheme": "ddp:powersgd1"}, "hang", "no progress for 9 s")
+    lines = cluster_report.table([fp32, record, hang]).splitlines()
+    assert lines[0].startswith("| scheme | bits/element between nodes | median s | min s |")
+    assert len({line.count("|") for line in lines}) == 1  # every row has every column
+    assert lines[3] == "| hvdcomp:qsgd4 | 4.00 | 3.000 | 2.500 | 2.000 | 0.500 | 0.100 | ×2.00 | – |"
+    assert "hang: no progress for 9 s" in lines[4]
+
+
+needs_cluster = pytest.mark.skipif(why_unavailable() is not None, reason=f"cluster benchmark: {why_unavailable()}")
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_quick_run(tmp_path):
+    """``--quick --json``: every scheme reported (timed, or an explicit hang/error), baselines timed,
+    QSGD sending fewer bits than fp32, and none of the run's namespaces or hosts files left behind."""
+    out = tmp_path / "quick.json"
+    bench = subprocess.Popen([sys.executable, str(BENCHMARKS / "cluster.py"), "--quick", "--json", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = bench.communicate(timeout=900)
+    assert bench.returncode == 0, stdout + stderr
+    records = {r["scheme"]: r for r in json.loads(out.read_text())}
+    assert sorted(records) == sorted(QUICK)
+    for name, r in records.items():
+        assert (r["nodes"], r["workers_per_node"], r["rate"]) == (2, 1, "1gbit")
+        if r["status"] == "ok":
+            assert 0 < r["min_s"] <= r["median_s"] and len(r["step_s"]) == 3, name
+        else:
+            assert r["status"] in ("hang", "error") and r["detail"] and r["median_s"] is None, name
+    for timed in ("horovod:fp32", "hvdcomp:none", "hvdcomp:qsgd4"):
+        assert records[timed]["status"] == "ok", records[timed]
+    assert records["hvdcomp:qsgd4"]["bits_per_element"] < 8 < 32 == records["horovod:fp32"]["bits_per_element"]
+    assert "| hvdcomp:qsgd4 |" in stdout
+    mine = f"{PREFIX}{bench.pid}-"
+    assert not [name for name in our_namespaces() if name.startswith(mine)]
+    assert not list(Path("/etc/netns").glob(f"{mine}*"))
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_terminated_run_removes_its_namespaces():
+    """SIGTERM while the cluster is up: the benchmark exits and deletes every namespace it made."""
+    bench = subprocess.Popen([sys.executable, str(BENCHMARKS / "cluster.py"), "--quick", "--schemes", "hvdcomp:none"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mine = f"{PREFIX}{bench.pid}-"
+    deadline = time.time() + 60
+    while not any(name.startswith(mine) for name in our_namespaces()) and bench.poll() is None:
+        assert time.time() < deadline, "the benchmark built no namespace within 60 s"
+        time.sleep(0.2)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM, bench.stderr.read()
+    assert not [name for name in our_namespaces() if name.startswith(mine)]
+    assert not list(Path("/etc/netns").glob(f"{mine}*"))
