@@ -32,6 +32,7 @@ import torch
 INT64_WORD_BITS = 63
 WORD_STORAGE_BITS = 64
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BYTE_BITS = torch.arange(256).unsqueeze(1).bitwise_right_shift(torch.arange(8)).bitwise_and_(1).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ def unpack_planes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
     if packed.shape[-1] != width * nbytes:
         raise ValueError(f"{packed.shape[-1]} bytes are not {width} planes of {numel} values")
     planes = packed.view(*packed.shape[:-1], width, nbytes)
-    values = torch.zeros(*packed.shape[:-1], numel, dtype=torch.int64, device=packed.device)
-    for k in range(width):
-        values.bitwise_or_(bytes_to_bits(planes[..., k, :], numel).to(torch.int64).bitwise_left_shift_(k))
-    return values
+    table = _BYTE_BITS.to(packed.device)
+    values = torch.zeros(*packed.shape[:-1], nbytes, 8, dtype=torch.int32, device=packed.device)
+    for k in range(width):  # each byte of plane k gives bit k of 8 values
+        values.add_(table[planes[..., k, :].long()].bitwise_left_shift_(k))
+    return values.flatten(-2)[..., :numel].long()
