@@ -103,9 +103,6 @@ class TwoStageMaxNorm(ElementwiseCodec):
     def bind_rank(self, rank: int) -> None:
         self.lanes.bind_rank(rank)
 
-    def config(self) -> tuple:
-        return (*self.lanes.config(), self.mode, self.memory is not None)
-
     def choose(self, numel: int, world_size: int) -> str:
         """``"lanes"`` or ``"two_stage"`` for a bucket of ``numel`` elements over ``world_size`` workers."""
         if self.mode != "auto":
