@@ -1,4 +1,5 @@
-"""Bit packing: summable lanes (``LaneLayout``) and plain bit planes (``bits_to_bytes``).
+"""Bit packing: summable lanes (``LaneLayout``), plain bit planes (``bits_to_bytes``) and plainly packed
+integers (``pack_planes``).
 
 **Summable lanes.**
 
@@ -15,6 +16,11 @@ overflows) and fewer for words carried as float64 values (see ``carrier.word_bit
 
 **Bit planes.** ``bits_to_bytes`` packs 0/1 values 8 per uint8 byte (least significant bit first) for
 collectives that concatenate rather than sum (all-gathers); ``bytes_to_bits`` undoes it.
+
+**Plain integers.** ``pack_planes`` stores non-negative ``width``-bit integers as ``width`` bit planes
+(plane ``k`` holds bit ``k`` of every value, 8 values per byte): exactly ``width`` bits per value plus
+at most 7 bits of padding per plane, whatever the number of workers. Such bytes cannot be summed;
+they travel by all-to-all or all-gather (``hvdcomp.exchange.two_stage``). ``unpack_planes`` undoes it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 INT64_WORD_BITS = 63
 WORD_STORAGE_BITS = 64
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BYTE_BITS = torch.arange(256).unsqueeze(1).bitwise_right_shift(torch.arange(8)).bitwise_and_(1).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -124,13 +131,15 @@ def as_uint8(bits: torch.Tensor) -> torch.Tensor:
 
 
 def bits_to_bytes(bits: torch.Tensor) -> torch.Tensor:
-    """1-D bool (or 0/1 integer) ``[n]`` -> uint8 ``[ceil(n / 8)]``, least significant bit first."""
-    numel = bits.numel()
+    """bool (or 0/1 integer) ``[..., n]`` -> uint8 ``[..., ceil(n / 8)]`` along the last dimension, least
+    significant bit first (a 0-d tensor counts as ``[1]``)."""
+    bits = bits.reshape(1) if bits.dim() == 0 else bits
+    numel = bits.shape[-1]
     nbytes = -(-numel // 8)
-    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=bits.device)
-    padded[:numel] = bits.reshape(-1)
+    padded = torch.zeros(*bits.shape[:-1], nbytes * 8, dtype=torch.uint8, device=bits.device)
+    padded[..., :numel] = bits
     shifts = _BIT_SHIFTS.to(bits.device)
-    return padded.view(nbytes, 8).bitwise_left_shift_(shifts).sum(dim=1, dtype=torch.uint8)
+    return padded.view(*bits.shape[:-1], nbytes, 8).bitwise_left_shift_(shifts).sum(dim=-1, dtype=torch.uint8)
 
 
 def bytes_to_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -142,3 +151,32 @@ def bytes_to_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     shifts = _BIT_SHIFTS.to(packed.device)
     bits = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
     return bits.flatten(-2)[..., :numel].bool()
+
+
+def plane_bytes(numel: int, width: int) -> int:
+    """Bytes ``pack_planes`` uses for ``numel`` values of ``width`` bits: ``width * ceil(numel / 8)``."""
+    return width * -(-numel // 8)
+
+
+def pack_planes(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Integers in ``[0, 2**width)`` (any integer dtype, ``[..., n]``) -> uint8 ``[..., plane_bytes(n, width)]``:
+    bit plane ``k`` (bit ``k`` of each value, as ``bits_to_bytes`` packs it) at bytes
+    ``[k * ceil(n / 8), (k + 1) * ceil(n / 8))``. Values are not checked; their higher bits are dropped."""
+    nbytes = -(-values.shape[-1] // 8)
+    out = torch.empty(*values.shape[:-1], width, nbytes, dtype=torch.uint8, device=values.device)
+    for k in range(width):  # one vectorized pass per bit plane
+        out[..., k, :] = bits_to_bytes(values.bitwise_right_shift(k).bitwise_and_(1).to(torch.uint8))
+    return out.flatten(-2)
+
+
+def unpack_planes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
+    """Inverse of ``pack_planes``: uint8 ``[..., plane_bytes(numel, width)]`` -> int64 ``[..., numel]``."""
+    nbytes = -(-numel // 8)
+    if packed.shape[-1] != width * nbytes:
+        raise ValueError(f"{packed.shape[-1]} bytes are not {width} planes of {numel} values")
+    planes = packed.view(*packed.shape[:-1], width, nbytes)
+    table = _BYTE_BITS.to(packed.device)
+    values = torch.zeros(*packed.shape[:-1], nbytes, 8, dtype=torch.int32, device=packed.device)
+    for k in range(width):  # each byte of plane k gives bit k of 8 values
+        values.add_(table[planes[..., k, :].long()].bitwise_left_shift_(k))
+    return values.flatten(-2)[..., :numel].long()

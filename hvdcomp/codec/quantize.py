@@ -27,6 +27,14 @@ MIN_BITS = 1
 MAX_BITS = 16
 
 
+def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """int64 ``sign(sign_of) * floor(magnitude + U)``, ``U ~ Uniform[0, 1)`` per element: unbiased for
+    ``sign(sign_of) * magnitude`` (``magnitude >= 0``, float32, consumed), variance at most 1/4."""
+    noise = torch.rand(magnitude.shape, generator=generator, device=magnitude.device, dtype=torch.float32)
+    return magnitude.add_(noise).floor_().copysign_(sign_of.reshape(-1).float()).to(torch.int64)
+
+
 def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
     bits = tuple(bits)
     if not bits:
@@ -159,6 +167,23 @@ class MaxNormQuantizer:
             return torch.tensor(float(self.coarse_levels), device=device)
         return torch.tensor(self.levels, dtype=torch.float32, device=device)[agreed]
 
+    def step_sizes(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
+        """float32 ``[numel]``: ``M / s`` per element, one level's worth (single resolution)."""
+        return self._scale_per_element(stats, groups, numel) / float(self.coarse_levels)
+
+    def quantize_levels(
+        self,
+        x: torch.Tensor,
+        stats: torch.Tensor,
+        groups: torch.Tensor,
+        agreed: torch.Tensor | None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """int64 ``[numel]``: this worker's signed levels in ``[-s_1, s_1]`` (finite ``x`` only)."""
+        ratio = self._ratio(x, stats, groups)
+        levels = stochastic_levels(ratio.mul_(self._levels_per_element(agreed, x.device)), x, generator)
+        return levels.clamp_(-self.coarse_levels, self.coarse_levels)
+
     def encode(
         self,
         x: torch.Tensor,
@@ -170,10 +195,7 @@ class MaxNormQuantizer:
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """int64 words of this worker's signed levels (finite ``x`` only). Reduce with SUM."""
-        ratio = self._ratio(x, stats, groups)
-        noise = torch.rand(ratio.shape, generator=generator, device=ratio.device, dtype=torch.float32)
-        magnitude = ratio.mul_(self._levels_per_element(agreed, x.device)).add_(noise).floor_()
-        levels = magnitude.clamp_(max=self.coarse_levels).copysign_(x.reshape(-1).float()).to(torch.int64)
+        levels = self.quantize_levels(x, stats, groups, agreed, generator)
         return self.payload_layout(world_size, word_bits).pack(levels, validate=False)
 
     def decode(

@@ -6,8 +6,9 @@
 - ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``,
   ``Segments``);
 - ``elementwise``: ``NoCompression``, ``FP16``, ``MaxNormCodec``; ``powersgd``: ``PowerSGD``;
+- ``two_stage``: ``TwoStageMaxNorm``, max-norm levels at constant bits per element for any world size;
 - ``hierarchy``: node-local full precision, compressed shards across nodes;
-- ``onebit``: Birder's 1-bit exchanges; ``cost``: their cost model;
+- ``onebit``: Birder's 1-bit exchanges; ``cost``: the cost model (Birder's variants, lanes or two-stage);
 - ``stats``: the statistics type every entry point reports.
 
 Importable without Horovod or mpi4py; ``hvdcomp.transport`` carries the requests out.
@@ -19,6 +20,7 @@ from .powersgd import PowerSGD
 from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive, drive_together
 from .simulator import simulate
 from .stats import Statistics, Traffic
+from .two_stage import TwoStageMaxNorm
 
 __all__ = [
     "FP16",
@@ -38,6 +40,7 @@ __all__ = [
     "Topology",
     "Traffic",
     "Transport",
+    "TwoStageMaxNorm",
     "drive",
     "drive_together",
     "simulate",

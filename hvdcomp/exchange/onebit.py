@@ -12,13 +12,19 @@ world_size=W)`` lanes (``bit_length(W)`` bits per element) through one ``Op.SUM`
 - chunks: local rank ``j`` owns shard ``j`` (``hierarchy.shard_bounds``, padded to ``shard_length``)
   and re-binarizes only that shard of the node mean, unbiasedly (+1 with probability ``c / L``);
 - inter-node: 1 bit per element and node, either an ``Op.CROSS_ALLGATHER`` of the bits packed 8 per
-  byte or an ``Op.CROSS_SUM`` of ``bit_length(N)``-bit lanes, whichever sends fewer bytes under ring
-  collectives (``cost.choose_inter_node``; the all-gather wins for N <= 6 and N = 8);
-- an ``Op.LOCAL_ALLGATHER`` of the shards' node counts (``bit_length(N)``-bit lanes) gives every
-  worker the full ``u_bar = 2 count / N - 1``, bitwise identical on all ranks.
+  byte, an ``Op.CROSS_SUM`` of ``bit_length(N)``-bit lanes, or ``"two_stage"`` (below, among the
+  nodes): ``cost.choose_inter_node`` picks among those allowed the one that sends fewest bytes under
+  ring collectives (of the first two, the all-gather wins for N <= 6 and N = 8);
+- an ``Op.LOCAL_ALLGATHER`` of the shards' node counts (``bit_length(N)``-bit lanes; one bit after
+  the two-stage variant) gives every worker the full ``u_bar``, bitwise identical on all ranks.
 
-``E[u_bar]`` is the mean over workers of each worker's ``E[u]``: given the draws, a node's
-re-binarized value has expectation the node's mean ``u``; nodes are of equal size.
+**Two-stage** (``two_stage_one_bit_mean``, about 2 bits per element at any group size ``G``): an
+``Op.ALLTOALL`` sends part ``j`` of the packed bits to worker ``j``, which counts its part's +1s
+exactly and re-binarizes it (+1 with probability ``count / G``); an ``Op.ALLGATHER`` of the parts.
+
+``E[u_bar]`` is the mean over workers of each worker's ``E[u]``: given the draws, a node's (or a
+part owner's) re-binarized value has expectation the mean it re-binarizes; nodes are of equal size.
+``one_bit_route`` / ``route_mean`` pick and run the exchange of a step (Birder's ``route``).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import torch
 from ..codec.onebit import binarize, bits_to_signs, mean_from_counts
 from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
-from .hierarchy import shard_bounds, shard_length
-from .protocol import Exchange, Op
+from .hierarchy import across_nodes, shard_bounds, shard_length
+from .protocol import Exchange, Op, Topology
 
 
 def one_bit_mean(bits: torch.Tensor, world_size: int) -> Exchange:
@@ -53,9 +59,10 @@ def hierarchical_one_bit_mean(
     """Hierarchical-1-bit-All-Reduce of the workers' ±1 values (``bits``: 1-D bool, True for +1).
 
     Returns float32 ``u_bar``, the same on every worker, unbiased for the mean of the workers' values.
-    With one node it is ``one_bit_mean`` (exact). ``generator`` draws this worker's re-binarization.
+    With one node it is ``one_bit_mean`` (exact). ``generator`` draws this worker's re-binarizations.
+    ``inter_node``: ``"auto"`` (``"allgather"`` or ``"sum"``, fewer bytes), or one of those or ``"two_stage"``.
     """
-    if inter_node not in INTER_NODE_VARIANTS:
+    if inter_node not in (*INTER_NODE_VARIANTS, "two_stage"):
         raise ValueError(f"inter_node must be one of {INTER_NODE_VARIANTS}, got {inter_node!r}")
     bits = bits.reshape(-1)
     numel = bits.numel()
@@ -76,7 +83,11 @@ def hierarchical_one_bit_mean(
     node_bits = binarize(prob, generator)
     # 3. inter-node: 1 bit per element and node.
     variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
-    if variant == "allgather":
+    span = num_nodes
+    if variant == "two_stage":
+        counts = (yield from across_nodes(two_stage_one_bit_mean(node_bits, generator, num_nodes))).to(torch.int64)
+        span = 1
+    elif variant == "allgather":
         gathered = yield Op.CROSS_ALLGATHER, bits_to_bytes(node_bits)
         counts = bytes_to_bits(gathered.view(num_nodes, -1), chunk).sum(dim=0, dtype=torch.int64)
     else:
@@ -85,9 +96,50 @@ def hierarchical_one_bit_mean(
         counts = cross_layout.unpack(word_sums, chunk)
     # 4. every worker gets every shard's counts.
     if local_size > 1:
-        count_layout = LaneLayout(span=num_nodes, world_size=1)
+        count_layout = LaneLayout(span=span, world_size=1)
         words = yield Op.LOCAL_ALLGATHER, count_layout.pack(counts, validate=False)
         per_chunk = count_layout.num_words(chunk) * count_layout.lanes_per_word
         all_counts = count_layout.unpack(words, local_size * per_chunk).view(local_size, per_chunk)
         counts = all_counts[:, :chunk].reshape(-1)
-    return mean_from_counts(counts[:numel], num_nodes)
+    return mean_from_counts(counts[:numel], span)
+
+
+def two_stage_one_bit_mean(bits: torch.Tensor, generator: torch.Generator | None, group_size: int) -> Exchange:
+    """Bits (1-D bool ``[n]``, True for +1) re-binarized from the group's mean in two stages (module docstring):
+    bit ``e`` is True with probability the fraction of the ``group_size`` workers' bits ``e`` that are True,
+    the same on every worker. ``generator`` draws this worker's part."""
+    numel = bits.numel()
+    if group_size == 1 or numel == 0:
+        return bits
+    part = shard_length(numel, group_size)
+    padded = torch.zeros(group_size * part, dtype=torch.bool, device=bits.device)
+    padded[:numel] = bits
+    received = yield Op.ALLTOALL, bits_to_bytes(padded.view(group_size, part)).reshape(-1)
+    counts = bytes_to_bits(received.view(group_size, -1), part).sum(dim=0, dtype=torch.int64)
+    mine = binarize(counts.to(torch.float32).div_(group_size), generator)
+    gathered = yield Op.ALLGATHER, bits_to_bytes(mine)
+    return bytes_to_bits(gathered.view(group_size, -1), part).reshape(-1)[:numel]
+
+
+def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node: str, exchange: str) -> str:
+    """The exchange of a step: ``"hierarchical:<allgather|sum|two_stage>"`` or ``"world:<sum|two_stage>"``.
+    ``exchange``: ``"lanes"`` (``inter_node`` picks between nodes), ``"two_stage"``, or ``"auto"`` (the fewest
+    bytes per worker of both, ``cost.choose_inter_node``), the same on every worker."""
+    if hierarchical:
+        lanes = ("allgather", "sum") if inter_node == "auto" else (inter_node,)
+        variants = {"lanes": lanes, "two_stage": ("two_stage",), "auto": (*lanes, "two_stage")}[exchange]
+        return "hierarchical:" + choose_inter_node(topology.cross_size, shard_length(numel, topology.local_size),
+                                                   variants)
+    variants = {"lanes": ("sum",), "two_stage": ("two_stage",), "auto": ("sum", "two_stage")}[exchange]
+    return "world:" + choose_inter_node(topology.size, numel, variants)
+
+
+def route_mean(route: str, bits: torch.Tensor, generator: torch.Generator | None, topology: Topology) -> Exchange:
+    """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``)."""
+    scope, variant = route.split(":")
+    if scope == "hierarchical":
+        return (yield from hierarchical_one_bit_mean(bits, generator, topology.local_size, topology.local_rank,
+                                                     topology.cross_size, variant))
+    if variant == "two_stage":
+        return bits_to_signs((yield from two_stage_one_bit_mean(bits.reshape(-1), generator, topology.size)))
+    return (yield from one_bit_mean(bits, topology.size))

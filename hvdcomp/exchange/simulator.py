@@ -26,6 +26,15 @@ def _reduce(op: Op, tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors).sum(dim=0)
 
 
+def _all_to_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each member's result: part ``j`` (of ``len(tensors)`` along dim 0) of every member's tensor, by sender."""
+    if len({tuple(t.shape) for t in tensors}) != 1 or tensors[0].dim() == 0 or tensors[0].shape[0] % len(tensors):
+        raise ValueError(f"an all-to-all needs tensors of one shape whose first dimension splits into "
+                         f"{len(tensors)} parts, got {sorted({tuple(t.shape) for t in tensors})}")
+    parts = [t.chunk(len(tensors)) for t in tensors]
+    return [torch.cat([sent[j] for sent in parts]) for j in range(len(tensors))]
+
+
 def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> list[object]:
     """Drive one exchange per worker in lockstep; return each worker's result.
 
@@ -53,6 +62,10 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
             groups.setdefault(_group_of(op, rank, local_size), []).append(rank)
         reduced = {}
         for members in groups.values():
-            result = _reduce(op, [requests[rank][1] for rank in members])
-            reduced.update({rank: result for rank in members})
+            tensors = [requests[rank][1] for rank in members]
+            if op.reduction is Reduction.ALLTOALL:
+                reduced.update(zip(members, _all_to_all(tensors)))
+            else:
+                result = _reduce(op, tensors)
+                reduced.update({rank: result for rank in members})
         requests = [advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]

@@ -11,10 +11,13 @@ Per worker, with one decay ``beta`` and flat float32 buffers over all parameters
 There is no uncompressed warm-up; learning-rate warm-up works through the usual torch schedulers.
 The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, masking, state, stats.
 
-**Routes.** ``hierarchical=True`` with several nodes of several workers uses
+**Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
 otherwise ``one_bit_mean`` sums the workers' bits in ``bit_length(W)``-bit lanes through ``Op.SUM``.
-``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"`` or ``"world:sum"``.
+``exchange="two_stage"`` replaces the inter-node stage (or the sum over all workers) by the two-stage
+1-bit exchange (about 2 bits per element at any node count), ``"auto"`` lets the cost model choose.
+``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"``,
+``"hierarchical:two_stage"``, ``"world:sum"`` or ``"world:two_stage"``.
 
 **Masking.** An element is *active* once some worker has seen a non-zero gradient for it. The agreed
 ``active`` mask (identical on every rank) costs nothing per step beyond the ``Op.MAX`` of ``4 + P``
@@ -60,9 +63,8 @@ from ..codec.onebit import binarize, unbiased_direction
 from ..codec.packing import LaneLayout
 from ..codec.seeding import stable_seed
 from ..codec.validate import check_real
-from ..exchange.cost import INTER_NODE_VARIANTS, choose_inter_node
-from ..exchange.hierarchy import shard_length
-from ..exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
+from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
+from ..exchange.onebit import one_bit_route, route_mean
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
@@ -119,6 +121,7 @@ class Birder(torch.optim.Optimizer):
             ``hvd.init(process_sets="dynamic")``). ``False``, a single node, or one worker per node uses
             the exact 1-bit lane sum over all workers.
         inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
+        exchange: ``"lanes"`` (as ``inter_node`` says), ``"two_stage"`` or ``"auto"`` (see the module docstring).
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
             ``HorovodTransport(process_set)``, created at the first step.
         process_set: Horovod process set of the default transport.
@@ -139,6 +142,7 @@ class Birder(torch.optim.Optimizer):
         hierarchical: bool = True,
         inter_node: str = "auto",
         transport: Any = None,
+        exchange: str = "lanes",
         process_set: Any = None,
         seed: int = 0,
     ) -> None:
@@ -146,12 +150,14 @@ class Birder(torch.optim.Optimizer):
         _check_hyperparameters({"lr": lr, "beta": beta, "weight_decay": weight_decay})
         if inter_node not in INTER_NODE_VARIANTS:
             raise ValueError(f"Birder: inter_node must be one of {INTER_NODE_VARIANTS}, got {inter_node!r}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"Birder: exchange must be one of {EXCHANGES}, got {exchange!r}")
         if transport is not None and process_set is not None:
             raise ValueError("Birder: give a transport or a process_set, not both")
         self._layout: _Layout | None = None
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
         self.hierarchical = bool(hierarchical)
-        self.inter_node = inter_node
+        self.inter_node, self.exchange = inter_node, exchange
         self.seed = seed
         self._transport = transport
         self._process_set = process_set
@@ -326,15 +332,8 @@ class Birder(torch.optim.Optimizer):
         unbiased_direction(m, b, out=z)
         bits = binarize(z.add_(1).mul_(0.5), generator, rand_out=self._rand, out=self._bits)
 
-        if hierarchical:
-            chunk = shard_length(layout.numel, topo.local_size)
-            variant = choose_inter_node(topo.cross_size, chunk) if self.inter_node == "auto" else self.inter_node
-            self.route = f"hierarchical:{variant}"
-            mean = yield from hierarchical_one_bit_mean(bits, generator, topo.local_size, topo.local_rank,
-                                                        topo.cross_size, variant)
-        else:
-            self.route = "world:sum"
-            mean = yield from one_bit_mean(bits, topo.size)
+        self.route = one_bit_route(layout.numel, topo, hierarchical, self.inter_node, self.exchange)
+        mean = yield from route_mean(self.route, bits, generator, topo)
         if not self._all_active:
             mean.masked_fill_(~self._active, 0.0)
 

@@ -47,9 +47,11 @@ from ..codec.quantize import MaxNormQuantizer
 from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
 from ..exchange.bucket import BucketCodec
+from ..exchange.cost import EXCHANGES
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
 from ..exchange.protocol import Exchange, Op, drive_together, relay
 from ..exchange.stats import Statistics, Traffic
+from ..exchange.two_stage import TwoStageMaxNorm
 from ..transport.horovod import HorovodTransport
 from .stock_names import stock_call
 
@@ -278,10 +280,19 @@ class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
                          process_set)
 
 
-def bucket_codec(compression: Any) -> BucketCodec:
+def bucket_codec(compression: Any, exchange: str = "lanes", workers_per_node: int = 1) -> BucketCodec:
     """The bucket codec for a ``compression=`` argument: ``None`` or Horovod's ``Compression.none`` ->
     ``NoCompression``; ``Compression.fp16`` -> ``FP16``; an hvdcomp compressor -> its ``MaxNormCodec``
-    (packed levels moved as int64 SUM); a ``BucketCodec`` (``PowerSGD``, ``FP16(...)``, ...) as it is."""
+    (packed levels moved as int64 SUM), or with ``exchange`` ``"auto"`` / ``"two_stage"`` a
+    ``TwoStageMaxNorm`` around it (``workers_per_node`` share an uplink in each exchange); a ``BucketCodec``
+    (``PowerSGD``, ``FP16(...)``, ``TwoStageMaxNorm(...)``, ...) as it is."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if isinstance(compression, MaxNormCompressor) and exchange != "lanes":
+        return TwoStageMaxNorm(compression.codec, exchange, workers_per_node=workers_per_node)
+    if exchange == "two_stage" and not isinstance(compression, TwoStageMaxNorm):
+        raise ValueError(f"exchange='two_stage' applies to the max-norm compressors (QSGDMaxNorm), not to "
+                         f"compression={compression!r}")
     if compression is None or compression is Compression.none:
         return NoCompression()
     if compression is Compression.fp16:

@@ -73,6 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         bucket_size_mb: float,
         hierarchical: bool,
         transport: Transport | None,
+        exchange: str,
     ) -> None:
         super(self.__class__, self).__init__(params)
         self._parameter_names = parameter_names(named_parameters, self.param_groups)
@@ -111,7 +112,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._included:  # as Horovod: a rank outside the process set trains locally
             return
         self._transport = transport if transport is not None else HorovodTransport(process_set)
-        self._codec = claim_codec(bucket_codec(compression), self)
+        per_node = 1 if hierarchical else self._transport.local_size  # workers sharing an uplink in an exchange
+        self._codec = claim_codec(bucket_codec(compression, exchange, per_node), self)
         self._codec.bind_rank(self._transport.rank)
         if hierarchical and not (self._transport.equal_nodes and self._transport.local_size
                                  * self._transport.cross_size == self._transport.size):
@@ -368,6 +370,7 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     bucket_size_mb: float = DEFAULT_BUCKET_MB,
     hierarchical: bool = False,
     transport: Transport | None = None,
+    exchange: str = "lanes",
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the mean (``op=hvd.Average``) or sum (``op=hvd.Sum``)
     over the workers of their compressed gradients. The arguments up to ``process_set`` are Horovod's,
@@ -384,8 +387,9 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
             all-reduce, uncompressed; over ``MPITransport``, dense with a warning).
         bucket_size_mb: gradients per bucket; each bucket is exchanged as soon as it is complete.
         hierarchical: full precision inside nodes, the compressed payload only between nodes.
-        transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
-            ``process_set``.
+        transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over ``process_set``.
+        exchange: how max-norm levels travel: ``"lanes"`` (summed), ``"two_stage"`` (constant bits at any W, more
+            variance; ``hvdcomp.exchange.two_stage``) or ``"auto"`` (the cost model's pick per bucket).
 
     ``close()`` (or a ``with`` block) detaches the optimizer from the parameters' gradient hooks.
     """
@@ -393,4 +397,4 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, bucket_size_mb,
-               hierarchical, transport)
+               hierarchical, transport, exchange)

@@ -95,6 +95,8 @@ class HorovodTransport:
         group = self._group(op)
         if op.reduction is Reduction.ALLGATHER:
             return hvd.allgather_async(tensor, name=name, process_set=group)
+        if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any integer/float dtype)
+            return hvd.alltoall_async(tensor, name=name, process_set=group)
         reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
         return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
 
@@ -102,7 +104,8 @@ class HorovodTransport:
         return hvd.poll(handle)
 
     def wait(self, handle: Any) -> torch.Tensor:
-        return hvd.synchronize(handle)
+        result = hvd.synchronize(handle)
+        return result[0] if isinstance(result, tuple) else result  # an all-to-all also returns its splits
 
     def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
         return self.wait(self.start(op, tensor))

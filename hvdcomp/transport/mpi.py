@@ -83,6 +83,12 @@ class MPITransport:
             out = torch.empty(sum(counts), dtype=send.dtype)
             comm.Allgatherv(_words(send).numpy(), [_words(out).numpy(), counts])
             result = out.view(sum(rows), *send.shape[1:])
+        elif op.reduction is Reduction.ALLTOALL:
+            if send.dim() == 0 or send.shape[0] % comm.Get_size():
+                raise ValueError(f"an all-to-all over {comm.Get_size()} ranks needs a first dimension that splits "
+                                 f"into equal parts, got shape {tuple(send.shape)}")
+            result = torch.empty_like(send)
+            comm.Alltoall(_words(send).numpy(), _words(result).numpy())
         else:
             result = torch.empty_like(send)
             if send.dtype in _HALF_FLOATS:

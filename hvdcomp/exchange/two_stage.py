@@ -1,0 +1,181 @@
+"""The two-stage exchange of max-norm levels: constant bits per element at any world size.
+
+Summable lanes (``MaxNormCodec``) need ``bit_length(2 s W)`` bits per element, which grows with the
+``W`` workers. The two-stage exchange sends plain ``bits + 1``-bit levels (``codec.packing.pack_planes``)
+twice instead, whatever ``W`` is:
+
+1. every worker quantizes its values with the shared scale ``M`` (``Op.MAX``, per tensor or chunk, as
+   ``MaxNormCodec``) to levels ``q_i`` in ``[-s, s]``, ``s = 2**bits - 1``, and cuts them into ``W``
+   chunks of ``ceil(n / W)`` elements (``hierarchy.shard_bounds``);
+2. ``Op.ALLTOALL`` sends chunk ``j`` (its index in a 4-byte header) to worker ``j``;
+3. the owner of chunk ``j`` sums the ``W`` workers' levels exactly, ``t = sum_i q_i / (W s)`` in
+   ``[-1, 1]`` (the mean in units of each element's ``M``), and re-quantizes it unbiasedly with its
+   own chunk scale ``m = max |t|``: levels ``r = sign(t) floor(|t| s / m + U)``;
+4. ``Op.ALLGATHER`` of every chunk's ``r`` with ``m`` (float32, in the header): every worker decodes
+   ``r m / s * M``, bitwise the same everywhere.
+
+Per worker that is ``(W - 1) / W`` of the plain payload twice: about ``2 (bits + 1)`` bits per element
+on the wire (``cost.exchange_cost``), against ``2 bit_length(2 s W)`` for ring-summed lanes.
+
+**Statistics.** Both quantizations are unbiased (``U ~ Uniform[0, 1)``, drawn from the worker's
+rounding generator), so the result is: ``E[result] = mean_i x_i``. Per element with scale ``M``,
+stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` independent roundings of variance at most
+``(M / s)**2 / 4``, averaged) and stage 2 at most ``(m M / s)**2 / 4 <= (M / s)**2 / 4``:
+
+    Var[result] <= (M / s)**2 (1 + 1 / W) / 4        (lanes: (M / s)**2 / (4 W))
+
+so the constant wire cost is paid in variance (up to ``W + 1`` times the lanes', less where the chunk
+means are smaller than ``M``: ``m < 1``).
+
+**Error feedback** (``error_feedback=True``, both stages): each worker adds what its stage-1 rounding
+lost last time to its values before the shared scale (the memory of ``key``), and each chunk owner
+adds what its re-quantization lost (in value units) to its chunk's mean before choosing ``m`` (the
+memory of ``(key, "owner")``). Non-finite steps leave both untouched.
+
+``TwoStageMaxNorm`` is the bucket codec: per bucket it runs the lanes (its ``MaxNormCodec``) or this
+exchange, as ``exchange`` says (``"auto"``: ``cost.choose_exchange`` from the bucket's size, the bits,
+``W`` and ``workers_per_node``). Inside a hierarchical exchange its ``WORLD`` ops become ``CROSS`` ones:
+the node-level variant.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..codec.memory import ErrorFeedback
+from ..codec.packing import pack_planes, unpack_planes
+from ..codec.quantize import MaxNormQuantizer, stochastic_levels
+from ..codec.validate import check_bool, check_int
+from .bucket import ElementwiseCodec, Segments
+from .cost import EXCHANGES, TWO_STAGE_HEADER_BYTES, choose_exchange, plain_width
+from .elementwise import MaxNormCodec
+from .hierarchy import shard_length
+from .protocol import Exchange, Op
+
+
+def stage_one_message(levels: torch.Tensor, quantizer: MaxNormQuantizer, world_size: int) -> torch.Tensor:
+    """uint8 ``[W, row]``: this worker's levels (int64 ``[n]`` in ``[-s, s]``) cut into ``W`` chunks, chunk
+    ``j`` as row ``j``: its index (int32) then its levels offset to ``[0, 2 s]`` in bit planes."""
+    s = quantizer.coarse_levels
+    chunk = shard_length(levels.numel(), world_size)
+    padded = torch.full((world_size * chunk,), s, dtype=torch.int32, device=levels.device)
+    padded[: levels.numel()] += levels.to(torch.int32)
+    header = torch.arange(world_size, dtype=torch.int32, device=levels.device).view(torch.uint8).view(world_size, -1)
+    return torch.cat([header, pack_planes(padded.view(world_size, chunk), plain_width(quantizer.bits[0]))], dim=1)
+
+
+def stage_two_message(levels: torch.Tensor, scale: torch.Tensor, quantizer: MaxNormQuantizer) -> torch.Tensor:
+    """uint8 ``[row]``: the owner's chunk scale (float32 ``[1]``) then its re-quantized levels (int64 ``[chunk]``
+    in ``[-s, s]``) offset to ``[0, 2 s]`` in bit planes."""
+    offset = levels + quantizer.coarse_levels
+    return torch.cat([scale.to(torch.float32).view(torch.uint8), pack_planes(offset, plain_width(quantizer.bits[0]))])
+
+
+class TwoStageMaxNorm(ElementwiseCodec):
+    """Max-norm levels exchanged by lanes or in two stages, per bucket (see the module docstring).
+
+    Args:
+        lanes: the ``MaxNormCodec`` of the scheme (one resolution, no coordinate selection for the two-stage
+            exchange); its quantizer, seed and rounding generator serve both exchanges.
+        exchange: ``"auto"`` (``cost.choose_exchange`` per bucket), ``"lanes"`` or ``"two_stage"``.
+        error_feedback: keep what each stage's rounding lost (worker- and chunk-owner-side) for the next step.
+        workers_per_node: workers sharing a node's uplink within one exchange (1 in hierarchical mode, where
+            each group spans one worker per node); only ``"auto"`` reads it.
+    """
+
+    def __init__(self, lanes: MaxNormCodec, exchange: str = "auto", error_feedback: bool = False,
+                 workers_per_node: int = 1) -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        self.supports_two_stage = not lanes.quantizer.multiscale and lanes.selector is None
+        if exchange == "two_stage" and not self.supports_two_stage:
+            raise ValueError("exchange='two_stage' needs a single-resolution max-norm codec without coordinate "
+                             "selection (QSGDMaxNorm); use 'lanes' or 'auto' for the others")
+        self.lanes = lanes
+        self.mode = exchange
+        self.memory = ErrorFeedback() if check_bool("error_feedback", error_feedback) else None
+        self.workers_per_node = check_int("workers_per_node", workers_per_node, 1)
+
+    def bind_rank(self, rank: int) -> None:
+        self.lanes.bind_rank(rank)
+
+    def choose(self, numel: int, world_size: int) -> str:
+        """``"lanes"`` or ``"two_stage"`` for a bucket of ``numel`` elements over ``world_size`` workers."""
+        if self.mode != "auto":
+            return self.mode
+        if not self.supports_two_stage or world_size == 1:
+            return "lanes"
+        return choose_exchange(numel, self.lanes.quantizer.bits[0], world_size, self.workers_per_node)
+
+    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
+                 world_size: int) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; every worker chooses alike (from sizes every worker shares)."""
+        if self.choose(flat.numel(), world_size) == "lanes":
+            return self.lanes.exchange(flat, segments, key, step, world_size)
+        layout = Segments.of(segments, key)
+        if sum(layout) != flat.numel():
+            raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
+        return self._two_stage(flat, layout, key, step, world_size)
+
+    def _two_stage(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int,
+                   world_size: int) -> Exchange:
+        quantizer = self.lanes.quantizer
+        s, width, numel = quantizer.coarse_levels, plain_width(quantizer.bits[0]), flat.numel()
+        chunk = shard_length(numel, world_size)
+        generator = self.lanes.rounding_generator(flat.device)
+        residual = None if self.memory is None else self.memory.residual(key, flat)
+        values = flat if residual is None else flat + residual
+        groups = quantizer.scale_groups(numel, layout)
+
+        stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
+        nonfinite = quantizer.saw_nonfinite(stats)
+        if nonfinite:
+            warnings.warn(f"hvdcomp: a worker's gradient {key!r} holds NaN/Inf at step {step}; every worker gets "
+                          "NaN for it", RuntimeWarning, stacklevel=2)
+            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        levels = quantizer.quantize_levels(values, stats, groups, None, generator)
+        step_sizes = quantizer.step_sizes(stats, groups, numel)
+        if residual is not None and not nonfinite:
+            torch.sub(values, levels * step_sizes, out=residual)
+
+        received = yield Op.ALLTOALL, stage_one_message(levels, quantizer, world_size).reshape(-1)  # 2.
+        rows = received.view(world_size, -1)
+        index = int(rows[0, :TWO_STAGE_HEADER_BYTES].view(torch.int32))  # 3. this worker's chunk, summed exactly
+        level_sums = unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk).sum(dim=0) - world_size * s
+        mean = level_sums.to(torch.float32).div_(world_size * s)  # in units of each element's M
+        lo, hi = min(index * chunk, numel), min((index + 1) * chunk, numel)
+        owner_residual = None
+        if self.memory is not None:
+            owner_residual = self.memory.residual((key, "owner"), mean)
+            scale = torch.zeros_like(mean)
+            scale[: hi - lo] = quantizer.step_sizes(stats, groups, numel)[lo:hi] * s
+            sent = scale > 0  # where M is 0 nothing can travel: the memory waits
+            mean.add_(torch.where(sent, owner_residual / torch.where(sent, scale, 1.0), 0.0))
+        chunk_scale = mean.abs().amax().reshape(1) if chunk else mean.new_zeros(1)
+        ratio = mean.abs().div_(chunk_scale.clamp_min(torch.finfo(torch.float32).tiny))
+        requantized = stochastic_levels(ratio.mul_(s), mean, generator).clamp_(-s, s)
+        if owner_residual is not None and not nonfinite:
+            lost = (mean - requantized * (chunk_scale / s)).mul_(scale)
+            torch.where(sent, lost, owner_residual, out=owner_residual)
+
+        gathered = yield Op.ALLGATHER, stage_two_message(requantized, chunk_scale, quantizer)  # 4.
+        rows = gathered.view(world_size, -1)
+        scales = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32)
+        result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
+        result = result.mul_(scales / s).reshape(-1)[:numel].mul_(step_sizes).mul_(s)
+        return result.fill_(float("nan")) if nonfinite else result
+
+    def state_dict(self) -> dict[str, Any]:
+        """The lanes codec's state and both stages' error-feedback memories."""
+        return {"lanes": self.lanes.state_dict(), "memory": None if self.memory is None else self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["memory"] is None) != (self.memory is None):
+            raise ValueError("the saved state and this codec disagree on error feedback")
+        self.lanes.load_state_dict(state["lanes"])
+        if self.memory is not None:
+            self.memory.load_state_dict(state["memory"])
