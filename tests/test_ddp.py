@@ -226,6 +226,11 @@ def _emulated_nodes() -> dict:
         _loss(net, step).backward()
         birder.step()
     out["birder"] = (_flat(net), birder.route)
+    from hvdcomp.exchange.protocol import Op
+
+    transport, rank = hvdcomp.ddp.TorchDistributedTransport(), dist.get_rank()
+    out["alltoall"] = transport.collective(Op.ALLTOALL, torch.arange(4, dtype=torch.uint8) + 4 * rank)
+    out["cross_alltoall"] = transport.collective(Op.CROSS_ALLTOALL, torch.arange(2) + 10 * rank)
     return out
 
 
@@ -239,6 +244,10 @@ def test_ddp_hook_hierarchical_on_two_emulated_nodes_of_two():
             assert torch.equal(params, results[0][name][0]), name
             assert intra > 0 and flat_intra == 0 and 0 < inter < flat_inter, (name, intra, inter, flat_inter)
         assert torch.equal(out["birder"][0], results[0]["birder"][0]) and out["birder"][1].startswith("hierarchical")
+    for rank, out in enumerate(results):  # part j of every sender's tensor reaches member j, by sender
+        assert out["alltoall"].tolist() == [rank, 4 + rank, 8 + rank, 12 + rank]
+        cross_rank, peers = rank // 2, (rank % 2, rank % 2 + 2)  # nodes {0, 1} and {2, 3}
+        assert out["cross_alltoall"].tolist() == [10 * peer + cross_rank for peer in peers]
 
 
 def _one_worker_without_horovod() -> list[str]:

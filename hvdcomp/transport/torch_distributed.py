@@ -13,7 +13,8 @@ of one worker (one node, or one worker per node) needs no group: its result is t
 ``start`` queues an asynchronous collective (``async_op=True``) and returns a handle; ``poll`` says
 whether it has completed, ``wait`` returns the result, ``collective`` is both. torch.distributed pairs
 collectives by call order, not by name, so ``blocking`` is True in the sense of the ``Transport``
-contract: every worker must start a group's collectives in the same order. SUM and MAX reduce any
+contract: every worker must start a group's collectives in the same order. ALLTOALL sends part ``j`` of
+dim 0 to member ``j`` (``all_to_all_single``; Gloo and NCCL). SUM and MAX reduce any
 dtype the backend reduces (int64 lane sums and float16 on Gloo and NCCL). ALLGATHER concatenates
 along dim 0 by rank; dim 0 may differ across workers: the row counts travel first (one small
 blocking all-gather), then the tensors, padded to the longest. The request's tensor is never written.
@@ -113,6 +114,14 @@ class TorchDistributedTransport:
         """Queue ``op`` on ``tensor`` (``name`` is ignored: collectives pair by call order)."""
         group, size = self._group(op.scope)
         send = tensor.detach().contiguous()
+        if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0, part j to member j
+            if send.dim() == 0 or send.shape[0] % size:
+                raise ValueError(f"an all-to-all over {size} workers needs a first dimension that splits into "
+                                 f"equal parts, got shape {tuple(send.shape)}")
+            if group is None:
+                return _Handle(None, send.clone())
+            result = torch.empty_like(send)
+            return _Handle(dist.all_to_all_single(result, send, group=group, async_op=True), result)
         if op.reduction is not Reduction.ALLGATHER:
             result = send.clone()
             if group is None:
