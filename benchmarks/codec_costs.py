@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="world size the codecs pack for")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", nargs="*", default=None, help="run the schemes whose names contain one of these")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [p.shape for p in torchvision.models.resnet50(num_classes=1000).parameters()]
@@ -87,6 +88,8 @@ def main() -> None:
           "fused compress ms/MB | fused decompress ms/MB | eager / fused | fused ns/el | fused warm-up s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, make in SCHEMES.items():
+        if args.only and not any(part in name for part in args.only):
+            continue
         costs = {}
         for path in ("eager", "fused"):
             codec = make()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,7 +134,7 @@ def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     env[fused.ENV_SWITCH] = "1"
     done = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FALLBACK-OK" in done.stdout
 
