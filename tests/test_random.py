@@ -92,3 +92,16 @@ def test_stochastic_rounding_is_unbiased(value):
 def test_same_bits_on_gpu():
     words = stream_words(5, "seed", 3, "key")
     assert torch.equal(uniform(4099, words.cuda()).cpu(), uniform(4099, words))
+
+
+def test_codec_state_needs_no_generators_and_old_states_still_load():
+    from hvdcomp.codec.quantize import MaxNormQuantizer
+    from hvdcomp.exchange.elementwise import MaxNormCodec
+
+    codec = MaxNormCodec(MaxNormQuantizer((4,)))
+    codec.bind_rank(2)
+    assert codec.state_dict() == {"memory": None, "rank": 2}
+    restored = MaxNormCodec(MaxNormQuantizer((4,)))
+    restored.load_state_dict({"memory": None, "rank": 2, "generators": {"cpu": torch.Generator().get_state()}})
+    assert restored.rank == 2
+    assert torch.equal(restored.rounding_stream("k", 5, "cpu"), codec.rounding_stream("k", 5, "cpu"))
