@@ -6,17 +6,23 @@ compress (everything before its last collective) and decompress (after it) — i
 machine, and the bytes it hands to collectives are counted. Buckets of ``--bucket-mb`` hold the
 gradients in backward (reverse) order, as in ``hvdcomp.DistributedOptimizer``.
 
+Each scheme runs eagerly and with its fused kernels (``hvdcomp.codec.fused``; compiled, or eager after a
+compile failure) in the same run; the first step of each is a warm-up (caches, compiles), not timed; the
+table gives both costs and their ratio, and ``ns/el`` is compress + decompress per element.
+
     python benchmarks/codec_costs.py --workers 8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import time
 
 import torch
 import torchvision
 
-from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector
+from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused
 from hvdcomp.exchange import FP16, ElementwiseCodec, MaxNormCodec, NoCompression, Placement, PowerSGD, Reduction
 from hvdcomp.exchange.stats import Traffic, counted
 
@@ -67,6 +73,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="world size the codecs pack for")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", nargs="*", default=None, help="run the schemes whose names contain one of these")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [p.shape for p in torchvision.models.resnet50(num_classes=1000).parameters()]
@@ -77,20 +84,30 @@ def main() -> None:
     grads = [[torch.randn(s, generator=gen) * 1e-3 for s in bucket] for bucket in buckets]
     print(f"ResNet-50 gradient: {numel / 1e6:.2f}M floats ({mb:.1f} MB fp32) in {len(buckets)} buckets, "
           f"W = {args.workers}, {args.threads} thread(s)")
-    print("| scheme | bytes sent per step | bits/element | compress ms/MB | decompress ms/MB |")
-    print("|---|---|---|---|---|")
+    print("| scheme | bytes sent per step | bits/element | eager compress ms/MB | eager decompress ms/MB | "
+          "fused compress ms/MB | fused decompress ms/MB | eager / fused | fused ns/el | fused warm-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, make in SCHEMES.items():
-        codec = make()
-        codec.bind_rank(0)
-        for step in range(2):  # step 0 builds caches (coordinate permutations, PowerSGD's Q): not timed
-            traffic = Traffic()
-            for index, bucket in enumerate(grads):
-                _run(codec, bucket, f"bucket{index}", step, args.workers, traffic)
-            if step:
-                sent = traffic.sent_bytes
-                print(f"| {name} | {sent / 2**20:.2f} MiB | {8 * sent / numel:.2f} | "
-                      f"{1e3 * traffic.compress_s / mb:.2f} | {1e3 * traffic.decompress_s / mb:.2f} |")
-
+        if args.only and not any(part in name for part in args.only):
+            continue
+        costs = {}
+        for path in ("eager", "fused"):
+            codec = make()
+            codec.bind_rank(0)
+            with fused.eager() if path == "eager" else contextlib.nullcontext():
+                for step in range(2):  # step 0 builds caches and compiles: not timed
+                    traffic, start = Traffic(), time.perf_counter()
+                    for index, bucket in enumerate(grads):
+                        _run(codec, bucket, f"bucket{index}", step, args.workers, traffic)
+                    if not step:
+                        warmup = time.perf_counter() - start
+                costs[path] = (traffic.compress_s, traffic.decompress_s)
+        sent = traffic.sent_bytes
+        (eager_c, eager_d), (fused_c, fused_d) = costs["eager"], costs["fused"]
+        print(f"| {name} | {sent / 2**20:.2f} MiB | {8 * sent / numel:.2f} | {1e3 * eager_c / mb:.2f} | "
+              f"{1e3 * eager_d / mb:.2f} | {1e3 * fused_c / mb:.2f} | {1e3 * fused_d / mb:.2f} | "
+              f"{(eager_c + eager_d) / max(fused_c + fused_d, 1e-9):.1f} | {1e9 * (fused_c + fused_d) / numel:.2f} | "
+              f"{warmup:.1f} |")
 
 if __name__ == "__main__":
     main()

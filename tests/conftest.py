@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
+
+# Fused codec kernels compile once per process and lane layout (seconds each); the suite, its worker
+# processes included, runs them eagerly (bit-identical results). tests/test_fused.py turns them on.
+os.environ.setdefault("HVDCOMP_FUSED", "0")
 
 MARKERS = {
     "mpi": "launches workers with mpirun (needs Open MPI and Horovod built with MPI)",

@@ -7,6 +7,8 @@
 - ``memory``: error-feedback residuals (``ErrorFeedback``);
 - ``lowrank``: PowerSGD's orthonormalization and flat packing;
 - ``onebit``: Birder's direction, binarization and count decoding;
+- ``random``: counter-based random numbers (Philox4x32-10), keyed by seed, rank, tensor and step;
+- ``fused``: the pure kernels compiled by ``torch.compile``, with their eager fallback;
 - ``seeding`` and ``validate``: shared seeds and argument checks for every layer.
 
 Layers above: ``hvdcomp.exchange`` (protocols of collective requests built on this math),

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fused import static
+
 INT64_WORD_BITS = 63
 WORD_STORAGE_BITS = 64
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -88,8 +90,13 @@ class LaneLayout:
     def num_words(self, numel: int) -> int:
         return -(-numel // self.lanes_per_word)
 
-    def _shifts(self, device: torch.device) -> torch.Tensor:
-        return torch.arange(self.lanes_per_word, device=device, dtype=torch.int64) * self.lane_width
+    @property
+    def lane_mask(self) -> int:
+        return (1 << self.lane_width) - 1
+
+    def lane_shifts(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 ``[lanes_per_word]``: the shift of each lane in its word, its size static for fused kernels."""
+        return static(torch.arange(self.lanes_per_word, device=device, dtype=torch.int64) * self.lane_width)
 
     def pack(self, values: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """Pack one worker's integer ``values`` (any integer dtype, 1-D) into int64 words.
@@ -107,12 +114,7 @@ class LaneLayout:
                     f"values in [{lo.item()}, {hi.item()}] outside the layout's "
                     f"[{-self.offset}, {self.span - self.offset}]"
                 )
-        words = self.num_words(flat.numel())
-        lanes = torch.zeros(words * self.lanes_per_word, dtype=torch.int64, device=flat.device)
-        lanes[: flat.numel()] = flat
-        lanes[: flat.numel()] += self.offset
-        lanes = lanes.view(words, self.lanes_per_word).bitwise_left_shift_(self._shifts(flat.device))
-        return lanes.sum(dim=1)
+        return pack_lanes(flat.to(torch.int64) + self.offset, self.lane_shifts(flat.device))
 
     def unpack(self, word_sums: torch.Tensor, numel: int) -> torch.Tensor:
         """Sums of the W workers' values (int64, length ``numel``) from the summed int64 words."""
@@ -120,9 +122,23 @@ class LaneLayout:
             raise TypeError(f"unpack expects 1-D int64 words, got {word_sums.dtype} {tuple(word_sums.shape)}")
         if word_sums.numel() != self.num_words(numel):
             raise ValueError(f"{word_sums.numel()} words cannot hold {numel} elements of this layout")
-        mask = (1 << self.lane_width) - 1
-        lanes = word_sums.unsqueeze(1).bitwise_right_shift(self._shifts(word_sums.device)).bitwise_and_(mask)
-        return lanes.view(-1)[:numel].sub_(self.offset * self.world_size)
+        lanes = unpack_lanes(word_sums, self.lane_shifts(word_sums.device), self.lane_mask, numel)
+        return lanes.sub_(self.offset * self.world_size)
+
+
+def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """int64 words ``[ceil(n / L)]`` from non-negative int64 lane values ``[n]``, ``L = len(shifts)`` per word:
+    word ``w`` is the sum over ``l`` of ``lanes[w L + l] << shifts[l]`` (missing lanes of the last word are 0).
+    Pure tensor ops (fused kernels build on it)."""
+    per_word = shifts.numel()
+    words = (lanes.numel() + per_word - 1) // per_word
+    padded = torch.nn.functional.pad(lanes, (0, words * per_word - lanes.numel()))
+    return (padded.view(words, per_word) << shifts).sum(dim=1)
+
+
+def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:
+    """int64 ``[numel]``: the lanes of ``words`` (inverse of ``pack_lanes`` for lanes below ``mask + 1``)."""
+    return ((words.unsqueeze(1) >> shifts) & mask).view(-1)[:numel]
 
 
 def as_uint8(bits: torch.Tensor) -> torch.Tensor:

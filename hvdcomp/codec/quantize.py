@@ -11,7 +11,13 @@ Pure tensor math, no collectives. One exchange of a W-worker reduction goes:
 
 Each worker's level for an element ``x`` with ``r = |x| / M`` at resolution ``s`` is
 ``sign(x) * floor(r * s + U)``, ``U ~ Uniform[0, 1)``, so ``E[level] * M / s = x`` (unbiased) and the
-per-element variance is at most ``(M / s)**2 / 4``.
+per-element variance is at most ``(M / s)**2 / 4``. ``U`` is element ``i``'s draw of this worker's
+counter-based stream (``hvdcomp.codec.random``): the caller passes the stream's words (e.g. keyed by seed,
+rank, tensor key and step).
+
+Steps 2 and 3 and the decode each run as one fused kernel (``hvdcomp.codec.fused``: ratio, rounding with
+the in-kernel random draw, sign, offset and lane packing in one pass; unpack, offset, scale and mean in
+another); the module-level functions below are their eager reference.
 """
 
 from __future__ import annotations
@@ -20,19 +26,21 @@ from collections.abc import Sequence
 
 import torch
 
-from .packing import INT64_WORD_BITS, LaneLayout
+from .fused import FusedKernel
+from .packing import INT64_WORD_BITS, LaneLayout, pack_lanes, unpack_lanes
+from .random import uniform
 from .validate import check_int
 
 MIN_BITS = 1
 MAX_BITS = 16
 
 
-def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
-    """int64 ``sign(sign_of) * floor(magnitude + U)``, ``U ~ Uniform[0, 1)`` per element: unbiased for
-    ``sign(sign_of) * magnitude`` (``magnitude >= 0``, float32, consumed), variance at most 1/4."""
-    noise = torch.rand(magnitude.shape, generator=generator, device=magnitude.device, dtype=torch.float32)
-    return magnitude.add_(noise).floor_().copysign_(sign_of.reshape(-1).float()).to(torch.int64)
+def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+    """int64 ``sign(sign_of) * floor(magnitude + U)``, ``U`` = uniform ``i`` of the stream words ``rng``
+    (``hvdcomp.codec.random.stream_words``) for element ``i``: unbiased for ``sign(sign_of) * magnitude``
+    (``magnitude >= 0``, float32), variance at most 1/4."""
+    noise = uniform(magnitude.numel(), rng.to(magnitude.device)).view(magnitude.shape)
+    return torch.floor(magnitude + noise).copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int64)
 
 
 def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
@@ -122,11 +130,11 @@ class MaxNormQuantizer:
             return maxima.expand(numel)
         return maxima.repeat_interleave(groups.to(maxima.device), output_size=numel)
 
-    def _ratio(self, x: torch.Tensor, stats: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """``|x| / M`` in [0, 1] per element (0 where M is 0)."""
-        scale = self._scale_per_element(stats, groups, x.numel())
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return x.reshape(-1).abs().float().div_(safe).clamp_(max=1.0)
+    def _scale_and_levels(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
+                          numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``M`` per element and float32 levels ``s`` (0-d, or per element with ``agreed``)."""
+        scale = self._scale_per_element(stats, groups, numel).contiguous()
+        return scale, self._levels_per_element(agreed, device)
 
     # -- step 2: agreement on the resolution (multi-scale only) -----------------------------------
     def agreement_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
@@ -144,17 +152,20 @@ class MaxNormQuantizer:
         """int64 words of "resolution j fits" bits for j = 2..L (element-major per j). Reduce with SUM."""
         if not self.multiscale:
             raise RuntimeError("agreement is only needed with several resolutions")
-        ratio = self._ratio(x, stats, groups)
-        fits = torch.stack([ratio * s <= self.coarse_levels for s in self.levels[1:]])
-        return self.agreement_layout(world_size, word_bits).pack(fits.reshape(-1).to(torch.int64), validate=False)
+        scale = self._scale_per_element(stats, groups, x.numel()).contiguous()
+        finer = torch.tensor(self.levels[1:], dtype=torch.float32, device=x.device)
+        shifts = self.agreement_layout(world_size, word_bits).lane_shifts(x.device)
+        return _agreement_words(x.reshape(-1), scale, finer, self.coarse_levels, shifts)
 
     def agreed_scales(
         self, word_sums: torch.Tensor, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS
     ) -> torch.Tensor:
         """int64 ``[numel]``: index of the finest resolution every worker can represent."""
-        counts = self.agreement_layout(world_size, word_bits).unpack(word_sums, numel * (len(self.levels) - 1))
-        # Each worker's "fits" bits are monotone in j, so "all fit" is too: count the leading ones.
-        return (counts.view(len(self.levels) - 1, numel) == world_size).sum(dim=0)
+        layout = self.agreement_layout(world_size, word_bits)
+        if word_sums.numel() != layout.num_words(numel * (len(self.levels) - 1)):
+            raise ValueError(f"{word_sums.numel()} agreement words do not fit {numel} elements")
+        return _agreed_scales(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, numel,
+                              len(self.levels) - 1, world_size)
 
     # -- step 3: the summed payload ---------------------------------------------------------------
     def payload_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
@@ -171,18 +182,13 @@ class MaxNormQuantizer:
         """float32 ``[numel]``: ``M / s`` per element, one level's worth (single resolution)."""
         return self._scale_per_element(stats, groups, numel) / float(self.coarse_levels)
 
-    def quantize_levels(
-        self,
-        x: torch.Tensor,
-        stats: torch.Tensor,
-        groups: torch.Tensor,
-        agreed: torch.Tensor | None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """int64 ``[numel]``: this worker's signed levels in ``[-s_1, s_1]`` (finite ``x`` only)."""
-        ratio = self._ratio(x, stats, groups)
-        levels = stochastic_levels(ratio.mul_(self._levels_per_element(agreed, x.device)), x, generator)
-        return levels.clamp_(-self.coarse_levels, self.coarse_levels)
+    def quantize_levels(self, x: torch.Tensor, stats: torch.Tensor, groups: torch.Tensor,
+                        agreed: torch.Tensor | None, rng: torch.Tensor) -> torch.Tensor:
+        """int64 ``[numel]``: this worker's signed levels in ``[-s_1, s_1]`` (finite ``x`` only), rounded with
+        the stream words ``rng`` as ``encode`` rounds them (unpacked: for exchanges that pack differently)."""
+        scale, levels = self._scale_and_levels(stats, groups, agreed, x.numel(), x.device)
+        magnitude = _ratio(x.reshape(-1), scale) * levels
+        return stochastic_levels(magnitude, x, rng).clamp_(-self.coarse_levels, self.coarse_levels)
 
     def encode(
         self,
@@ -192,11 +198,17 @@ class MaxNormQuantizer:
         agreed: torch.Tensor | None,
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
-        generator: torch.Generator | None = None,
+        rng: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int64 words of this worker's signed levels (finite ``x`` only). Reduce with SUM."""
-        levels = self.quantize_levels(x, stats, groups, agreed, generator)
-        return self.payload_layout(world_size, word_bits).pack(levels, validate=False)
+        """int64 words of this worker's signed levels (finite ``x`` only). Reduce with SUM.
+
+        ``rng``: the int64 ``[4]`` stream words of ``hvdcomp.codec.random.stream_words`` (required);
+        element ``i`` rounds with the stream's uniform ``i``."""
+        if rng is None:
+            raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
+        scale, levels = self._scale_and_levels(stats, groups, agreed, x.numel(), x.device)
+        shifts = self.payload_layout(world_size, word_bits).lane_shifts(x.device)
+        return _encode_words(x.reshape(-1), scale, levels, self.coarse_levels, shifts, rng.to(x.device))
 
     def decode(
         self,
@@ -209,6 +221,52 @@ class MaxNormQuantizer:
         word_bits: int = INT64_WORD_BITS,
     ) -> torch.Tensor:
         """float32 ``[numel]``: the mean over the workers of their dequantized values."""
-        level_sums = self.payload_layout(world_size, word_bits).unpack(word_sums, numel).float()
-        unit = self._scale_per_element(stats, groups, numel) / self._levels_per_element(agreed, word_sums.device)
-        return level_sums.mul_(unit).div_(world_size)
+        layout = self.payload_layout(world_size, word_bits)
+        if word_sums.dtype != torch.int64 or word_sums.numel() != layout.num_words(numel):
+            raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
+        scale, levels = self._scale_and_levels(stats, groups, agreed, numel, word_sums.device)
+        return _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
+                            layout.offset * world_size, scale, levels, float(world_size), numel)
+
+
+def _ratio(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``|x| / M`` in [0, 1] per element (0 where ``M`` is 0)."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x.abs().float() / safe).clamp(max=1.0)
+
+
+def _agreement_words_eager(x: torch.Tensor, scale: torch.Tensor, finer_levels: torch.Tensor, coarse: int,
+                           shifts: torch.Tensor) -> torch.Tensor:
+    """Words of the bits ``|x| / M * s_j <= s_1`` for each finer ``s_j`` (j-major), one bit per lane."""
+    fits = _ratio(x, scale).unsqueeze(0) * finer_levels.unsqueeze(1) <= coarse
+    return pack_lanes(fits.view(-1).to(torch.int64), shifts)
+
+
+def _agreed_scales_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int, finer: int,
+                         world_size: int) -> torch.Tensor:
+    """Per element the number of finer resolutions every worker fits (each worker's bits are monotone in j,
+    so "all fit" is too: count the leading ones)."""
+    counts = unpack_lanes(word_sums, shifts, mask, numel * finer).view(finer, numel)
+    return (counts == world_size).sum(dim=0)
+
+
+def _encode_words_eager(x: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, coarse: int,
+                        shifts: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+    """Words of ``sign(x) min(floor(|x| / M * s + U), s_1) + s_1`` per element, ``U`` = uniform ``i`` of ``rng``."""
+    noise = uniform(x.numel(), rng)
+    magnitude = torch.floor(_ratio(x, scale) * levels + noise).clamp(max=coarse)
+    signed = magnitude.copysign(x.float()).to(torch.int64)
+    return pack_lanes(signed + coarse, shifts)
+
+
+def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, offset: int, scale: torch.Tensor,
+                       levels: torch.Tensor, world_size: float, numel: int) -> torch.Tensor:
+    """float32 ``(sum of levels) * (M / s) / W`` per element from the summed words."""
+    level_sums = unpack_lanes(word_sums, shifts, mask, numel) - offset
+    return level_sums.float() * (scale / levels) / world_size
+
+
+_agreement_words = FusedKernel(_agreement_words_eager)
+_agreed_scales = FusedKernel(_agreed_scales_eager)
+_encode_words = FusedKernel(_encode_words_eager)
+_decode_mean = FusedKernel(_decode_mean_eager)

@@ -16,7 +16,7 @@ import torch
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
-from ..codec.seeding import stable_seed
+from ..codec.random import stream_words
 from ..codec.selection import RandomCoordinateSelector
 from .bucket import ElementwiseCodec, Segments
 from .protocol import Exchange, Op
@@ -83,8 +83,10 @@ class MaxNormCodec(ElementwiseCodec):
         error_feedback: with a selector, keep the coordinates not sent in a per-worker memory that is
             added to the next gradient (default: nothing is lost, every replica applies the same
             update). If ``False``, scale each tensor's sent mean by its ``numel / k`` instead (unbiased).
-        seed: with the rank (``bind_rank``), seeds this worker's rounding generators, so rounding is
-            independent across workers; part of the configuration every worker must share.
+        seed: with the rank (``bind_rank``), the bucket key and the step, keys this worker's rounding
+            stream (``hvdcomp.codec.random``: counter-based, stateless), so rounding is independent across
+            workers, tensors and steps, and a replay of (key, step) draws the same bits in any order; part
+            of the configuration every worker must share.
     """
 
     def __init__(self, quantizer: MaxNormQuantizer, selector: RandomCoordinateSelector | None = None,
@@ -94,22 +96,15 @@ class MaxNormCodec(ElementwiseCodec):
         self.memory = ErrorFeedback() if selector is not None and error_feedback else None
         self.seed = seed
         self.rank: int | None = None
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     def bind_rank(self, rank: int) -> None:
-        if self.rank != rank:
-            self.rank = rank
-            self._generators.clear()
+        self.rank = rank
 
-    def rounding_generator(self, device: torch.device) -> torch.Generator:
-        """This worker's rounding generator on ``device``, seeded by (seed, rank)."""
+    def rounding_stream(self, key: Hashable, step: int, device: torch.device) -> torch.Tensor:
+        """This worker's rounding stream for bucket ``key`` at ``step``: int64 ``[4]`` stream words."""
         if self.rank is None:
             raise RuntimeError("MaxNormCodec: bind_rank(rank) must be called before the first exchange")
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device).manual_seed(stable_seed(self.seed, "rounding", self.rank))
-            self._generators[device] = generator
-        return generator
+        return stream_words(step, self.seed, "rounding", self.rank, key, device=device)
 
     def config(self) -> tuple:
         """What every worker must share (part of the carrier tag)."""
@@ -157,7 +152,7 @@ class MaxNormCodec(ElementwiseCodec):
                   word_bits: int) -> Exchange:
         quantizer = self.quantizer
         numel = flat.numel()
-        generator = self.rounding_generator(flat.device)
+        rng = self.rounding_stream(key, step, flat.device)
         indices = factor = residual = None
         values = flat
         segments: Sequence[int] = layout
@@ -187,7 +182,7 @@ class MaxNormCodec(ElementwiseCodec):
             counts = yield Op.SUM, quantizer.agreement_words(values, stats, groups, world_size)
             agreed = quantizer.agreed_scales(counts, values.numel(), world_size)
 
-        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, generator)
+        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
         mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
         if indices is not None:
             if self.memory is None:
@@ -198,14 +193,13 @@ class MaxNormCodec(ElementwiseCodec):
         return mean
 
     def state_dict(self) -> dict[str, Any]:
-        """Error-feedback memory and rounding generator states."""
-        return {
-            "memory": None if self.memory is None else self.memory.state_dict(),
-            "rank": self.rank,
-            "generators": {str(device): gen.get_state() for device, gen in self._generators.items()},
-        }
+        """Error-feedback memory and the rank (the rounding streams are stateless)."""
+        return {"memory": None if self.memory is None else self.memory.state_dict(), "rank": self.rank}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads ``state_dict()``'s output. A state saved before the counter-based streams also holds
+        ``"generators"`` (torch.Generator states): they are ignored, as the streams need no state; rounding
+        after such a resume is drawn afresh, identically distributed."""
         if (state["memory"] is None) != (self.memory is None):
             raise ValueError("the saved state and this codec disagree on error feedback")
         if self.memory is not None:
@@ -213,11 +207,9 @@ class MaxNormCodec(ElementwiseCodec):
         if self.rank is None and state["rank"] is not None:
             self.bind_rank(state["rank"])
         elif state["rank"] is not None and state["rank"] != self.rank:
-            warnings.warn(f"hvdcomp: loading rank {state['rank']}'s codec state on rank {self.rank}: its rounding "
-                          "streams and memories are that rank's; each worker should load its own", RuntimeWarning,
+            warnings.warn(f"hvdcomp: loading rank {state['rank']}'s codec state on rank {self.rank}: its "
+                          "error-feedback memories are that rank's; each worker should load its own", RuntimeWarning,
                           stacklevel=2)
-        for device, gen_state in state["generators"].items():
-            self.rounding_generator(torch.device(device)).set_state(gen_state)
 
 
 def simulate_max_norm(

@@ -18,7 +18,7 @@ Per worker that is ``(W - 1) / W`` of the plain payload twice: about ``2 (bits +
 on the wire (``cost.exchange_cost``), against ``2 bit_length(2 s W)`` for ring-summed lanes.
 
 **Statistics.** Both quantizations are unbiased (``U ~ Uniform[0, 1)``, drawn from the worker's
-rounding generator), so the result is: ``E[result] = mean_i x_i``. Per element with scale ``M``,
+counter-based rounding streams), so the result is: ``E[result] = mean_i x_i``. Per element with scale ``M``,
 stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` independent roundings of variance at most
 ``(M / s)**2 / 4``, averaged) and stage 2 at most ``(m M / s)**2 / 4 <= (M / s)**2 / 4``:
 
@@ -80,7 +80,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
 
     Args:
         lanes: the ``MaxNormCodec`` of the scheme (one resolution, no coordinate selection for the two-stage
-            exchange); its quantizer, seed and rounding generator serve both exchanges.
+            exchange); its quantizer, seed and rounding streams serve both exchanges.
         exchange: ``"auto"`` (``cost.choose_exchange`` per bucket), ``"lanes"`` or ``"two_stage"``.
         error_feedback: keep what each stage's rounding lost (worker- and chunk-owner-side) for the next step.
         workers_per_node: workers sharing a node's uplink within one exchange (1 in hierarchical mode, where
@@ -126,7 +126,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         quantizer = self.lanes.quantizer
         s, width, numel = quantizer.coarse_levels, plain_width(quantizer.bits[0]), flat.numel()
         chunk = shard_length(numel, world_size)
-        generator = self.lanes.rounding_generator(flat.device)
+        rounding = self.lanes.rounding_stream(key, step, flat.device)
         residual = None if self.memory is None else self.memory.residual(key, flat)
         values = flat if residual is None else flat + residual
         groups = quantizer.scale_groups(numel, layout)
@@ -137,7 +137,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
             warnings.warn(f"hvdcomp: a worker's gradient {key!r} holds NaN/Inf at step {step}; every worker gets "
                           "NaN for it", RuntimeWarning, stacklevel=2)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        levels = quantizer.quantize_levels(values, stats, groups, None, generator)
+        levels = quantizer.quantize_levels(values, stats, groups, None, rounding)
         step_sizes = quantizer.step_sizes(stats, groups, numel)
         if residual is not None and not nonfinite:
             torch.sub(values, levels * step_sizes, out=residual)
@@ -157,7 +157,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
             mean.add_(torch.where(sent, owner_residual / torch.where(sent, scale, 1.0), 0.0))
         chunk_scale = mean.abs().amax().reshape(1) if chunk else mean.new_zeros(1)
         ratio = mean.abs().div_(chunk_scale.clamp_min(torch.finfo(torch.float32).tiny))
-        requantized = stochastic_levels(ratio.mul_(s), mean, generator).clamp_(-s, s)
+        requantized = stochastic_levels(ratio.mul_(s), mean,
+                                        self.lanes.rounding_stream((key, "owner"), step, flat.device)).clamp_(-s, s)
         if owner_residual is not None and not nonfinite:
             lost = (mean - requantized * (chunk_scale / s)).mul_(scale)
             torch.where(sent, lost, owner_residual, out=owner_residual)

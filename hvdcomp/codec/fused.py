@@ -1,0 +1,81 @@
+"""Fused kernels: the codec's pure tensor functions compiled by ``torch.compile`` (Inductor: C++/OpenMP on
+CPU, Triton on GPU), with the same functions run eagerly as the readable reference and the fallback.
+
+A ``FusedKernel`` wraps one pure function. Its first call compiles it with ``dynamic=True``: tensor sizes
+are symbolic, so buckets of any size share one compiled graph; calls with a tensor of 0 or 1 elements
+(sizes torch would compile separately) run eagerly.
+Tensors passed through ``static(t)`` (e.g. the lane shifts of a word layout) keep their sizes in the
+graph: one graph per lane count, which lets Inductor unroll the packing. Inductor caches compiled code
+on disk (``TORCHINDUCTOR_CACHE_DIR``, default under ``/tmp``), so later processes skip the C++ compile.
+
+**Fallback.** ``HVDCOMP_FUSED=0`` in the environment runs every kernel eagerly. If compiling or running a
+compiled kernel raises (no C++ compiler, ``CXX`` unusable, an unsupported backend), every kernel falls back
+to eager for the rest of the process after ONE ``RuntimeWarning``. Eager and compiled results are equal
+bit for bit (same float operations in the same order; Inductor compiles with ``-ffp-contract=off``).
+``eager()`` is a context manager that runs kernels eagerly (tests and benchmarks compare both paths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+
+ENV_SWITCH = "HVDCOMP_FUSED"
+_RECOMPILE_LIMIT = 64  # one graph per lane count (at most 63) and input kind
+
+
+class _Mode:
+    forced_eager = 0  # depth of ``eager()`` contexts
+    failed: str | None = None  # why compiling failed (then everything runs eagerly)
+
+
+def enabled() -> bool:
+    """Whether kernels run compiled now: not switched off, not inside ``eager()``, no failure so far."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and not _Mode.forced_eager and _Mode.failed is None
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Run every kernel eagerly inside the block."""
+    _Mode.forced_eager += 1
+    try:
+        yield
+    finally:
+        _Mode.forced_eager -= 1
+
+
+def static(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its sizes marked static for ``torch.compile`` (a new graph per distinct size)."""
+    torch._dynamo.mark_static(tensor)
+    return tensor
+
+
+class FusedKernel:
+    """``fn`` (a pure function: it must not modify its inputs) compiled at first use (see the module
+    docstring); ``kernel.eager_fn`` is ``fn`` itself."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.eager_fn = fn
+        self._compiled: Callable[..., Any] | None = None
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args: Any) -> Any:
+        if not enabled() or any(isinstance(a, torch.Tensor) and a.dim() and a.numel() < 2 for a in args):
+            return self.eager_fn(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.eager_fn, dynamic=True)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return self._compiled(*args)
+        except Exception as error:  # noqa: BLE001 (bad input raises again below; anything else: fall back)
+            result = self.eager_fn(*args)  # kernels are pure, so the failed call left no trace
+            _Mode.failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            warnings.warn(f"hvdcomp: fused codec kernels unavailable ({_Mode.failed}); running them eagerly "
+                          f"(slower, same results). Set {ENV_SWITCH}=0 to skip compiling.", RuntimeWarning,
+                          stacklevel=2)
+            return result

@@ -1,0 +1,107 @@
+"""The counter-based generator: Philox4x32-10's known answers, and the statistics of its uniforms and of
+stochastic rounding with them (uniformity, bias, correlation across ranks, steps, tensors and neighbours)."""
+
+import pytest
+import torch
+
+from hvdcomp.codec.random import philox4x32, stream_words, uniform
+
+DRAWS = 1 << 18
+
+
+def _words(values):
+    return tuple(torch.tensor([v], dtype=torch.int64) for v in values)
+
+
+# Random123's kat_vectors (philox4x32 with 10 rounds): counter, key, expected output.
+KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS)
+def test_philox_known_answers(counter, key, expected):
+    out = philox4x32(_words(counter), _words(key))
+    assert tuple(int(word) for word in out) == expected
+
+
+def test_uniforms_are_24_bit_floats_in_unit_interval_and_addressable_by_block():
+    words = stream_words(3, "seed", "test", 0)
+    u = uniform(1001, words)
+    assert u.dtype == torch.float32 and u.shape == (1001,)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert torch.equal(u * 2**24, (u * 2**24).floor())  # exact multiples of 2**-24
+    assert torch.equal(uniform(993, words, first=8), u[8:])  # element i is the same draw in any call
+    assert torch.equal(uniform(1001, stream_words(3, "seed", "test", 0)), u)  # stateless
+
+
+def test_uniformity_chi_square():
+    u = uniform(DRAWS, stream_words(0, 1, "rounding", 0, "bucket"))
+    bins = 256
+    counts = torch.bincount((u * bins).long(), minlength=bins).double()
+    chi2 = float(((counts - DRAWS / bins) ** 2 / (DRAWS / bins)).sum())
+    # chi-square with 255 degrees of freedom: mean 255, sd ~22.6; 6 sd either side
+    assert 255 - 6 * 22.6 < chi2 < 255 + 6 * 22.6
+    low_bits = torch.bincount((u * 2**24).long() % 64, minlength=64).double()  # the least significant bits too
+    chi2_low = float(((low_bits - DRAWS / 64) ** 2 / (DRAWS / 64)).sum())
+    assert 63 - 6 * 11.2 < chi2_low < 63 + 6 * 11.2
+
+
+def _correlation(a, b):
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("other", [
+    (0, 1, "rounding", 1, "bucket"),  # another rank
+    (1, 1, "rounding", 0, "bucket"),  # the next step
+    (0, 1, "rounding", 0, "other bucket"),  # another tensor
+    (0, 2, "rounding", 0, "bucket"),  # another seed
+])
+def test_streams_are_uncorrelated(other):
+    base = uniform(DRAWS, stream_words(0, 1, "rounding", 0, "bucket"))
+    u = uniform(DRAWS, stream_words(*other))
+    # Pearson's r of independent streams is ~N(0, 1/n): |r| sqrt(n) below 5
+    assert abs(_correlation(base, u)) * DRAWS**0.5 < 5
+    assert not torch.equal(base[:64], u[:64])
+
+
+def test_neighbouring_elements_are_uncorrelated():
+    u = uniform(DRAWS, stream_words(0, 1, "rounding", 0, "bucket"))
+    for lag in (1, 2, 3, 4, 5):  # within a Philox block (lags 1-3) and across blocks
+        assert abs(_correlation(u[:-lag], u[lag:])) * DRAWS**0.5 < 5, lag
+
+
+@pytest.mark.parametrize("value", [0.0, 0.3, 0.5, 0.999])
+def test_stochastic_rounding_is_unbiased(value):
+    """``floor(v s + U)`` has mean ``v s``: bias z-scores of the mean over many draws, per step and rank."""
+    levels = 255
+    target = value * levels
+    for step, rank in ((0, 0), (1, 0), (0, 1)):
+        u = uniform(DRAWS, stream_words(step, 7, "rounding", rank, "w"))
+        rounded = torch.floor(torch.full((DRAWS,), target, dtype=torch.float32) + u).double()
+        spread = max(float(rounded.std()), 1e-12)
+        z = abs(float(rounded.mean()) - target) / (spread / DRAWS**0.5)
+        assert z < 5 if spread > 1e-12 else float(rounded.mean()) == target
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_same_bits_on_gpu():
+    words = stream_words(5, "seed", 3, "key")
+    assert torch.equal(uniform(4099, words.cuda()).cpu(), uniform(4099, words))
+
+
+def test_codec_state_needs_no_generators_and_old_states_still_load():
+    from hvdcomp.codec.quantize import MaxNormQuantizer
+    from hvdcomp.exchange.elementwise import MaxNormCodec
+
+    codec = MaxNormCodec(MaxNormQuantizer((4,)))
+    codec.bind_rank(2)
+    assert codec.state_dict() == {"memory": None, "rank": 2}
+    restored = MaxNormCodec(MaxNormQuantizer((4,)))
+    restored.load_state_dict({"memory": None, "rank": 2, "generators": {"cpu": torch.Generator().get_state()}})
+    assert restored.rank == 2
+    assert torch.equal(restored.rounding_stream("k", 5, "cpu"), codec.rounding_stream("k", 5, "cpu"))
