@@ -51,8 +51,10 @@ SCHEMES: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], Any]] = {
 }
 
 
-def time_scheme(build: Callable[[torch.nn.Module, torch.optim.Optimizer], Any], warmup: int, steps: int) -> float:
-    """Median seconds of ``backward()`` + ``step()`` for one scheme (the same on every rank: the max)."""
+def time_scheme(build: Callable[[torch.nn.Module, torch.optim.Optimizer], Any], warmup: int,
+                steps: int) -> tuple[float, str]:
+    """Median seconds of ``backward()`` + ``step()`` for one scheme (the same on every rank: the max), and
+    rank 0's codec seconds of the last step where the scheme counts them."""
     torch.manual_seed(0)
     model = ResNet50()
     coefficients = [torch.randn_like(p) for p in model.parameters()]
@@ -71,7 +73,11 @@ def time_scheme(build: Callable[[torch.nn.Module, torch.optim.Optimizer], Any], 
     close = getattr(optimizer, "close", None)
     if close is not None:
         close()
-    return statistics.median(seconds)
+    counted = getattr(getattr(optimizer, "_compression", optimizer), "stats", None)
+    last = getattr(counted, "last_step", None)
+    codec = "" if last is None else (f"  compress {last.compress_s:.3f} s, communicate {last.communicate_s:.3f} s, "
+                                     f"decompress {last.decompress_s:.3f} s")
+    return statistics.median(seconds), codec
 
 
 def main() -> None:
@@ -87,9 +93,9 @@ def main() -> None:
     if hvd.rank() == 0:
         base = times.get("hvd-fp32")
         print(f"W = {hvd.size()}, median of {args.steps} steps")
-        for name, seconds in times.items():
-            ratio = f"  fp32/this {base / seconds:.2f}x" if base else ""
-            print(f"{name:20s} {seconds:7.3f} s{ratio}")
+        for name, (seconds, codec) in times.items():
+            ratio = f"  fp32/this {base[0] / seconds:.2f}x" if base else ""
+            print(f"{name:20s} {seconds:7.3f} s{ratio}{codec}")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,14 @@ INTER_NODE_VARIANTS = ("auto", "allgather", "sum")
 
 def ring_wire_bytes(reduction: Reduction, payload_bytes: int, group_size: int) -> float:
     """Bytes one worker sends in a ring collective over ``group_size`` workers that each contribute
-    ``payload_bytes``: ``(G - 1) x`` for an all-gather, ``2 (G - 1) / G x`` for an all-reduce."""
+    ``payload_bytes``: ``(G - 1) x`` for an all-gather, ``(G - 1) / G x`` for an all-to-all (all but its
+    own chunk), ``2 (G - 1) / G x`` for an all-reduce."""
     if group_size <= 1:
         return 0.0
     if reduction is Reduction.ALLGATHER:
         return float((group_size - 1) * payload_bytes)
+    if reduction is Reduction.ALLTOALL:
+        return (group_size - 1) * payload_bytes / group_size
     return 2.0 * (group_size - 1) * payload_bytes / group_size
 
 

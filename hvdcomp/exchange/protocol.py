@@ -7,13 +7,19 @@ gradient). Any transport can carry it out: ``drive`` runs one to its end with bl
 ``hvdcomp.exchange.simulator.simulate`` runs W workers in lockstep in one process, and the
 optimizer overlaps several with backward through ``Transport.start`` / ``poll`` / ``wait``.
 
-An ``Op`` is a reduction (``SUM``, ``MAX``, ``ALLGATHER``: concatenation along dim 0, by rank) over
-a scope of workers:
+An ``Op`` is a reduction (``SUM``, ``MAX``, ``ALLGATHER``: concatenation along dim 0, by rank;
+``ALLTOALL``: each worker's 1-D tensor, whose length the ``G`` workers of the scope divide, is cut into
+``G`` equal chunks and worker ``i`` receives the ``i``-th chunk of every worker, concatenated by rank)
+over a scope of workers:
 
-- ``Scope.WORLD``: every worker of the exchange (``Op.SUM``, ``Op.MAX``, and ``Op.PAYLOAD``: the
-  ``SUM`` of the packed words that carry the result, which a transport may move differently);
+- ``Scope.WORLD``: every worker of the exchange (``Op.SUM``, ``Op.MAX``, ``Op.ALLGATHER``,
+  ``Op.ALLTOALL``, and ``Op.PAYLOAD``: the ``SUM`` of the packed words that carry the result, which a
+  transport may move differently);
 - ``Scope.NODE``: the workers of this node (``Op.LOCAL_SUM``, ``Op.LOCAL_MAX``, ``Op.LOCAL_ALLGATHER``);
 - ``Scope.CROSS``: the workers with this worker's local rank, one per node (``Op.CROSS_*``).
+
+An all-to-all followed by an all-gather is a reduce-scatter and an all-gather: the bytes of a ring
+all-reduce, with the sum computed by the exchange itself (``FP16`` sums float16 at float32 this way).
 
 Workers are laid out node by node: rank ``r`` is local rank ``r % local_size`` of node
 ``r // local_size`` (as horovodrun places them; see ``Topology``).
@@ -43,6 +49,7 @@ class Reduction(Enum):
     SUM = "sum"
     MAX = "max"
     ALLGATHER = "allgather"
+    ALLTOALL = "alltoall"
 
 
 class Op(Enum):
@@ -51,12 +58,15 @@ class Op(Enum):
     SUM = (Scope.WORLD, Reduction.SUM, False)
     MAX = (Scope.WORLD, Reduction.MAX, False)
     PAYLOAD = (Scope.WORLD, Reduction.SUM, True)
+    ALLGATHER = (Scope.WORLD, Reduction.ALLGATHER, False)
+    ALLTOALL = (Scope.WORLD, Reduction.ALLTOALL, False)
     LOCAL_SUM = (Scope.NODE, Reduction.SUM, False)
     LOCAL_MAX = (Scope.NODE, Reduction.MAX, False)
     LOCAL_ALLGATHER = (Scope.NODE, Reduction.ALLGATHER, False)
     CROSS_SUM = (Scope.CROSS, Reduction.SUM, False)
     CROSS_MAX = (Scope.CROSS, Reduction.MAX, False)
     CROSS_ALLGATHER = (Scope.CROSS, Reduction.ALLGATHER, False)
+    CROSS_ALLTOALL = (Scope.CROSS, Reduction.ALLTOALL, False)
 
     @property
     def scope(self) -> Scope:
@@ -73,10 +83,13 @@ class Op(Enum):
 
     def across_nodes(self) -> Op:
         """The same reduction among the workers sharing this local rank (``WORLD`` ops only)."""
-        if self.scope is not Scope.WORLD or self.reduction is Reduction.ALLGATHER:
+        if self.scope is not Scope.WORLD:
             raise ValueError(f"a codec inside a hierarchical exchange may not ask for {self}")
-        return Op.CROSS_MAX if self.reduction is Reduction.MAX else Op.CROSS_SUM
+        return _CROSS[self.reduction]
 
+
+_CROSS = {Reduction.SUM: Op.CROSS_SUM, Reduction.MAX: Op.CROSS_MAX, Reduction.ALLGATHER: Op.CROSS_ALLGATHER,
+          Reduction.ALLTOALL: Op.CROSS_ALLTOALL}
 
 Request = tuple[Op, torch.Tensor]
 Exchange = Generator[Request, torch.Tensor, Any]
@@ -190,8 +203,8 @@ def drive_together(exchanges: Sequence[Exchange], transport: Transport, until: O
     In each round every exchange must ask for the same op, with tensors of one dtype and device (the
     exchanges of one codec do): they are flattened, concatenated in the order of ``exchanges`` into
     one collective, and each exchange receives its own slice, in its request's shape. Every worker
-    must pass its exchanges in the same order. ``ALLGATHER`` ops are refused (their results interleave
-    the workers); so is an exchange that finishes or asks for a different op than the others.
+    must pass its exchanges in the same order. ``ALLGATHER`` and ``ALLTOALL`` ops are refused (their
+    results interleave the workers); so is an exchange that finishes or asks for a different op than the others.
     """
     requests = [advance(exchange, None) for exchange in exchanges]
     while True:
@@ -203,7 +216,7 @@ def drive_together(exchanges: Sequence[Exchange], transport: Transport, until: O
         if len(ops) != 1:
             raise RuntimeError(f"exchanges driven together asked for different ops: {sorted(op.name for op in ops)}")
         op = ops.pop()
-        if op.reduction is Reduction.ALLGATHER:
+        if op.reduction in (Reduction.ALLGATHER, Reduction.ALLTOALL):
             raise ValueError(f"drive_together cannot batch {op}: its result interleaves the workers' tensors")
         tensors = [tensor for _, tensor in requests]
         if len({(tensor.dtype, tensor.device) for tensor in tensors}) != 1:

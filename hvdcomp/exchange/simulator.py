@@ -18,12 +18,21 @@ def _group_of(op: Op, rank: int, local_size: int) -> int:
     return rank // local_size if op.scope is Scope.NODE else rank % local_size
 
 
-def _reduce(op: Op, tensors: list[torch.Tensor]) -> torch.Tensor:
+def _reduce(op: Op, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each member's result of ``op`` over the members' ``tensors`` (in rank order)."""
+    if op.reduction is Reduction.ALLTOALL:
+        size = len(tensors)
+        if any(tensor.dim() != 1 or tensor.numel() % size for tensor in tensors):
+            raise ValueError(f"{op} needs 1-D tensors whose length the {size} workers divide")
+        chunks = [tensor.view(size, -1) for tensor in tensors]
+        return [torch.cat([chunk[member] for chunk in chunks]) for member in range(size)]
     if op.reduction is Reduction.MAX:
-        return torch.stack(tensors).amax(dim=0)
-    if op.reduction is Reduction.ALLGATHER:
-        return torch.cat(tensors)
-    return torch.stack(tensors).sum(dim=0)
+        result = torch.stack(tensors).amax(dim=0)
+    elif op.reduction is Reduction.ALLGATHER:
+        result = torch.cat(tensors)
+    else:
+        result = torch.stack(tensors).sum(dim=0)
+    return [result] * len(tensors)
 
 
 def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> list[object]:
@@ -53,6 +62,6 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
             groups.setdefault(_group_of(op, rank, local_size), []).append(rank)
         reduced = {}
         for members in groups.values():
-            result = _reduce(op, [requests[rank][1] for rank in members])
-            reduced.update({rank: result for rank in members})
+            results = _reduce(op, [requests[rank][1] for rank in members])
+            reduced.update(zip(members, results))
         requests = [advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]

@@ -8,6 +8,7 @@ first read. Implements ``hvdcomp.exchange.protocol.Transport``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
@@ -48,6 +49,13 @@ def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
         _HIERARCHY_SETS[key] = (node_sets, cross_sets)
     node_sets, cross_sets = _HIERARCHY_SETS[key]
     return node_sets[hvd.cross_rank()], cross_sets[hvd.local_rank()]
+
+
+@dataclass(frozen=True)
+class _AllToAll:
+    """A Horovod all-to-all handle: its ``synchronize`` returns (received, received splits)."""
+
+    handle: int
 
 
 class HorovodTransport:
@@ -95,13 +103,18 @@ class HorovodTransport:
         group = self._group(op)
         if op.reduction is Reduction.ALLGATHER:
             return hvd.allgather_async(tensor, name=name, process_set=group)
+        if op.reduction is Reduction.ALLTOALL:  # equal splits of dim 0; the result comes with its splits
+            return _AllToAll(hvd.alltoall_async(tensor, name=name, process_set=group))
         reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
         return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
 
     def poll(self, handle: Any) -> bool:
-        return hvd.poll(handle)
+        return hvd.poll(handle.handle if isinstance(handle, _AllToAll) else handle)
 
     def wait(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _AllToAll):
+            received, _ = hvd.synchronize(handle.handle)
+            return received
         return hvd.synchronize(handle)
 
     def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:

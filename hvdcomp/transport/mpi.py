@@ -83,6 +83,11 @@ class MPITransport:
             out = torch.empty(sum(counts), dtype=send.dtype)
             comm.Allgatherv(_words(send).numpy(), [_words(out).numpy(), counts])
             result = out.view(sum(rows), *send.shape[1:])
+        elif op.reduction is Reduction.ALLTOALL:  # equal chunks of a 1-D tensor, by rank
+            if send.dim() != 1 or send.numel() % comm.Get_size():
+                raise ValueError(f"{op} needs a 1-D tensor whose length the {comm.Get_size()} workers divide")
+            result = torch.empty_like(send)
+            comm.Alltoall(_words(send).numpy(), _words(result).numpy())
         else:
             result = torch.empty_like(send)
             if send.dtype in _HALF_FLOATS:
