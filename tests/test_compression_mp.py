@@ -9,20 +9,23 @@ from tests.harness import run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
 
+# exchanged exactly every step, so each step replays in the one-process simulation
 COMPRESSORS = {
-    "qsgd8": ("QSGDMaxNorm", {"bits": 8}),
-    "qsgd2_chunked": ("QSGDMaxNorm", {"bits": 2, "chunk_size": 7}),
+    "qsgd8": ("QSGDMaxNorm", {"bits": 8, "scale": "exact"}),
+    "qsgd2_chunked": ("QSGDMaxNorm", {"bits": 2, "chunk_size": 7, "scale": "exact"}),
     "multiscale": ("QSGDMaxNormMultiScale", {"bits": (2, 6)}),
     "randk_ef": ("GlobalRandKMaxNorm", {"ratio": 0.3, "bits": 6}),
     "randk_rescaled": ("GlobalRandKMaxNorm", {"ratio": 0.2, "bits": 4, "error_feedback": False}),
     "randk_multiscale": ("GlobalRandKMaxNormMultiScale", {"ratio": 0.5, "bits": (3, 8)}),
 }
+# the default: the scale agreed one step ahead (tests/test_scale_ahead*.py check its math)
+AHEAD = {"qsgd4_ahead_chunked": ("QSGDMaxNorm", {"bits": 4, "chunk_size": 50})}
 
 
 def _make(name):
     import hvdcomp
 
-    cls, kwargs = COMPRESSORS[name]
+    cls, kwargs = {**COMPRESSORS, **AHEAD}[name]
     return getattr(hvdcomp, cls)(**kwargs)
 
 
@@ -180,7 +183,7 @@ def _check_training(results, names):
         assert loss < 0.3 * mean(name, "first") and loss < 1.5 * baseline + 0.01, (name, loss, baseline)
 
 
-ALL = ["none", *COMPRESSORS]
+ALL = ["none", *COMPRESSORS, *AHEAD]
 
 
 # 4 workers on 2 cores run a blocking collective in ~0.2 s, so those cases train fewer steps.

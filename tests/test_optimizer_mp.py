@@ -125,7 +125,8 @@ def test_uncompressed_matches_horovod_and_every_scheme_trains_np2():
         assert stats["compress_s"] >= 0 and stats["communicate_s"] > 0
     ratios = {name: ours[0][(name, False)]["stats"]["compression_ratio"] for name in SCHEMES}
     assert ratios["none"] == 1.0
-    assert ratios["fp16"] == ratios["fp16_ef"] == 2.0
+    # float16 by all-to-all + all-gather: 16 bits per element, plus the padding of odd buckets to a multiple of W
+    assert ratios["fp16"] == ratios["fp16_ef"] and 1.99 < ratios["fp16"] <= 2.0
     assert 2.5 < ratios["qsgd8"] < 3.0  # 10.67 bits per element at W = 2, plus a few scales
     assert ratios["qsgd4_chunked"] > ratios["qsgd8"] and ratios["randk"] > 1.8 * ratios["qsgd8"]
     assert ratios["powersgd1"] > ratios["powersgd2"] > 2

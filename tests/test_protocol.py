@@ -163,6 +163,25 @@ def test_fp16_error_feedback_keeps_memory_on_nonfinite_steps():
     assert torch.equal(outputs[0], outputs[1]) and bool(torch.isfinite(outputs[0]).all())
 
 
+def test_alltoall_and_fp16_sum_each_chunk_once_at_float32():
+    """ALLTOALL hands worker i the i-th chunk of every worker; FP16 sums its float16 values at float32,
+    rounds each sum once, and every worker gets the same, padding or not."""
+    def swap(x):
+        return (yield Op.ALLTOALL, x)
+
+    received = simulate([swap(torch.arange(6) + 10 * rank) for rank in range(3)])
+    assert [r.tolist() for r in received] == [[0, 1, 10, 11, 20, 21], [2, 3, 12, 13, 22, 23],
+                                              [4, 5, 14, 15, 24, 25]]
+    with pytest.raises(ValueError, match="divide"):
+        simulate([swap(torch.arange(5)) for _ in range(3)])
+    gen = torch.Generator().manual_seed(0)
+    for numel in (1, 7, 301):
+        grads = [torch.randn(numel, generator=gen) * 100 for _ in range(3)]
+        outputs = simulate([FP16().exchange(g, [numel], "b", 0, 3) for g in grads])
+        want = sum(g.half().float() for g in grads).half().float() / 3
+        assert all(torch.equal(out, want) for out in outputs)
+
+
 @pytest.mark.parametrize("numel", [0, 1])
 def test_empty_and_single_element(numel):
     for bits in [(4,), (2, 6)]:

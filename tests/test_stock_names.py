@@ -93,9 +93,10 @@ def test_stock_optimizer_keys_state_by_name_and_batches_missing_gradients():
     assert [op for op, _ in calls] == ["MAX", "SUM", "PAYLOAD"] * 2
     assert calls[0] == ("MAX", 8 * 4) and calls[3] == ("MAX", 8 * 4) and calls[2] == calls[5]
     assert [op for op, _ in out["randk"]["calls"]] == ["MAX", "PAYLOAD"] * 2
-    # groups=2: the grouped path (names read from the comprehension's frame) batches the same way
+    # groups=2: the grouped path (names read from the comprehension's frame) batches the same way; QSGD's
+    # default scale="ahead" needs the batch at the first step only (later payloads travel in the carriers)
     groups = out["groups"]["calls"]
-    assert [op for op, _ in groups] == ["MAX", "PAYLOAD"] * 2 and groups[0] == ("MAX", 8 * 4)
+    assert [op for op, _ in groups] == ["MAX", "PAYLOAD"] and groups[0] == ("MAX", 8 * 4)
 
 
 def _branch_worker():
@@ -108,7 +109,9 @@ def _branch_worker():
     import hvdcomp
 
     out = {}
-    for label, compression in (("none", hvd.Compression.none), ("qsgd8", hvdcomp.QSGDMaxNorm(8))):
+    for label, compression in (("none", hvd.Compression.none), ("qsgd8", hvdcomp.QSGDMaxNorm(8, scale="exact"))):
+        # this step's scale: within 8-bit rounding of Horovod (scale="ahead" may hold back a clipped part of
+        # the last step; tests/test_robust_mp.py's qsgd8_ahead case covers it with per-rank parameters)
         torch.manual_seed(0)
         model = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4) for name in ("trunk", "a", "b", "out")})
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

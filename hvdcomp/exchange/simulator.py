@@ -18,14 +18,6 @@ def _group_of(op: Op, rank: int, local_size: int) -> int:
     return rank // local_size if op.scope is Scope.NODE else rank % local_size
 
 
-def _reduce(op: Op, tensors: list[torch.Tensor]) -> torch.Tensor:
-    if op.reduction is Reduction.MAX:
-        return torch.stack(tensors).amax(dim=0)
-    if op.reduction is Reduction.ALLGATHER:
-        return torch.cat(tensors)
-    return torch.stack(tensors).sum(dim=0)
-
-
 def _all_to_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each member's result: part ``j`` (of ``len(tensors)`` along dim 0) of every member's tensor, by sender."""
     if len({tuple(t.shape) for t in tensors}) != 1 or tensors[0].dim() == 0 or tensors[0].shape[0] % len(tensors):
@@ -33,6 +25,19 @@ def _all_to_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                          f"{len(tensors)} parts, got {sorted({tuple(t.shape) for t in tensors})}")
     parts = [t.chunk(len(tensors)) for t in tensors]
     return [torch.cat([sent[j] for sent in parts]) for j in range(len(tensors))]
+
+
+def _reduce(op: Op, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each member's result of ``op`` over the members' ``tensors`` (in rank order)."""
+    if op.reduction is Reduction.ALLTOALL:
+        return _all_to_all(tensors)
+    if op.reduction is Reduction.MAX:
+        result = torch.stack(tensors).amax(dim=0)
+    elif op.reduction is Reduction.ALLGATHER:
+        result = torch.cat(tensors)
+    else:
+        result = torch.stack(tensors).sum(dim=0)
+    return [result] * len(tensors)
 
 
 def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> list[object]:
@@ -62,10 +67,6 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
             groups.setdefault(_group_of(op, rank, local_size), []).append(rank)
         reduced = {}
         for members in groups.values():
-            tensors = [requests[rank][1] for rank in members]
-            if op.reduction is Reduction.ALLTOALL:
-                reduced.update(zip(members, _all_to_all(tensors)))
-            else:
-                result = _reduce(op, tensors)
-                reduced.update({rank: result for rank in members})
+            results = _reduce(op, [requests[rank][1] for rank in members])
+            reduced.update(zip(members, results))
         requests = [advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]

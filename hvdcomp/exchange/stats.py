@@ -10,6 +10,9 @@ Byte counts mean the same everywhere:
 - ``*_wire_bytes``: what it sends on the wire for them under ring collectives (``cost``);
 - ``uncompressed_bytes``: what the gradients exchanged would take uncompressed.
 
+An all-to-all counts the chunks that leave the worker (``(G - 1) / G`` of its tensor), so a
+reduce-scatter by all-to-all plus an all-gather of its ``1 / G`` counts what an all-reduce does.
+
 Seconds: ``compress_s`` (codec work before the last request of an exchange), ``communicate_s``
 (waiting for collectives), ``decompress_s`` (codec work after the last result).
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .cost import ring_wire_bytes
-from .protocol import Exchange, Op, Scope, Topology, group_size, relay
+from .protocol import Exchange, Op, Reduction, Scope, Topology, group_size, relay
 
 
 @dataclass
@@ -51,10 +54,13 @@ class Traffic:
     def count(self, op: Op, tensor: torch.Tensor, topology: Topology, control: bool = False) -> None:
         """Add a request's bytes (and their ring wire estimate) to the matching counters."""
         payload = tensor.numel() * tensor.element_size()
+        size = group_size(topology, op.scope)
+        if op.reduction is Reduction.ALLTOALL:  # its own chunk stays with the worker
+            payload = payload * (size - 1) // size
         if control:
             self.control_bytes += payload
             return
-        wire = ring_wire_bytes(op.reduction, payload, group_size(topology, op.scope))
+        wire = ring_wire_bytes(op.reduction, tensor.numel() * tensor.element_size(), size)
         if op.scope is Scope.NODE:
             self.intra_node_bytes += payload
             self.intra_node_wire_bytes += wire

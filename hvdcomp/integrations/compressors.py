@@ -2,7 +2,12 @@
 
 Pass one to the stock optimizer, e.g.
 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=QSGDMaxNorm(8))``. ``compress``
-issues no collective: it records the gradient and returns a small float64 *header carrier*
+issues no collective. With ``scale="ahead"`` (``QSGDMaxNorm``'s default) and a scale agreed at the
+gradient's previous exchange, it quantizes at once and returns the whole payload in a float64 carrier
+that Horovod all-reduces during backward, with each worker's local maximum for the next step's scale
+(``scale_ahead``: clipping, error feedback, bias and variance). Otherwise (``scale="exact"``, the
+other compressors, and a gradient's first exchange) it records the gradient and returns a small
+float64 *header carrier*
 (``hvdcomp.codec.carrier``: canary, world size and a tag of the compressor's configuration, the
 gradient's name, its step and size, and no words), which Horovod reduces with the optimizer's op (Sum
 or Average, predivide factor allowed). The first ``decompress`` of a step runs the codec's exchanges
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +59,7 @@ from ..exchange.protocol import Exchange, Op, drive_together, relay
 from ..exchange.stats import Statistics, Traffic
 from ..exchange.two_stage import TwoStageMaxNorm
 from ..transport.horovod import HorovodTransport
+from .scale_ahead import SCALE_MODES, AheadExchange, ScaleAhead
 from .stock_names import stock_call
 
 
@@ -77,6 +84,14 @@ class _Context:
     traffic: Traffic  # the header carrier, the uncompressed size, the decoding time
     batch: _Batch
     word_sums: torch.Tensor | None = None  # this gradient's slice of the batched payload sum
+
+
+@dataclass
+class _AheadContext:
+    exchange: AheadExchange  # the payload travels in the carrier Horovod reduces
+    shape: torch.Size
+    dtype: torch.dtype
+    traffic: Traffic  # the carrier, the uncompressed size, the coding time
 
 
 class _CountingTransport:
@@ -114,8 +129,14 @@ class MaxNormCompressor(Compressor):
     first gradient's ``compress``.
     """
 
-    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None) -> None:
+    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None, scale: str = "exact") -> None:
+        if scale not in SCALE_MODES:
+            raise ValueError(f"scale must be one of {SCALE_MODES}, got {scale!r}")
+        if scale == "ahead" and codec.selector is not None:
+            raise ValueError("scale='ahead' is for QSGDMaxNorm: shared random coordinates take the exact exchange")
         self.codec = codec
+        self.scale = scale
+        self.ahead = ScaleAhead(codec.quantizer) if scale == "ahead" else None
         self.transport = HorovodTransport(process_set)
         self.stats = Statistics()
         self._steps: dict[Hashable, int] = {}  # exchanges so far, per gradient key
@@ -126,17 +147,20 @@ class MaxNormCompressor(Compressor):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: the codec's state and the step counters."""
         return {"codec": self.codec.state_dict(), "steps": dict(self._steps), "index_in_step": self._index_in_step,
-                "step_open": self._step_open}
+                "step_open": self._step_open, "ahead": None if self.ahead is None else self.ahead.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.codec.load_state_dict(state["codec"])
+        if self.ahead is not None and state.get("ahead") is not None:
+            self.ahead.load_state_dict(state["ahead"])
         self._steps, self._index_in_step = dict(state["steps"]), state["index_in_step"]
         self._step_open = state["step_open"]
         self._batch = None
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
-        """Record ``tensor`` for its step's exchange (no collective); return its header carrier and the
-        context for ``decompress`` (see the module docstring)."""
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context | _AheadContext]:
+        """Record ``tensor`` for its step's exchange (no collective); return its carrier (the whole payload
+        with an agreed scale ahead, else a header) and the context for ``decompress`` (see the module
+        docstring)."""
         name = stock_call(sys._getframe(1))
         if not self._step_open:
             self._step_open = True
@@ -153,36 +177,54 @@ class MaxNormCompressor(Compressor):
         else:
             key, self._index_in_step = self._index_in_step, self._index_in_step + 1
             order = (1, key, step_of(key, 0))
-        ctx = self._start(tensor, key, order, self._batch)
-        self._batch.contexts.append(ctx)
-        header = carrier.wrap(torch.zeros(0, dtype=torch.int64, device=tensor.device), ctx.world_size, ctx.tag)
-        ctx.traffic.count(Op.SUM, header, self.transport)
-        return header, ctx
-
-    def _start(self, tensor: torch.Tensor, key: Hashable, order: tuple, batch: _Batch) -> _Context:
-        """The context of a new exchange of ``tensor`` as gradient ``key``, its exchange not yet started."""
         flat = _flat_float(tensor)
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
         world_size = self.transport.size
         self.codec.bind_rank(self.transport.rank)
+        ahead = self.ahead is not None and self.ahead.ready(key, flat.numel(), world_size)
         # which gradient, and how every worker must have configured the compressor: in each MAX round's
-        # stamp and in the header
+        # stamp and in the carrier's header
         tag = carrier.to_tag(stable_seed(type(self).__name__, self.codec.config(), self.codec.seed, world_size,
-                                         flat.numel(), step, key))
+                                         flat.numel(), step, key, self.scale, ahead))
+        traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
+        values = flat if self.ahead is None else self.ahead.with_excess(key, flat)
+        if ahead:
+            start = time.perf_counter()
+            payload, exchange = self.ahead.start(key, values, world_size, self.transport.rank, tag,
+                                                 self.codec.rounding_stream(key, step, flat.device))
+            traffic.compress_s += time.perf_counter() - start
+            traffic.count(Op.SUM, payload, self.transport)
+            return payload, _AheadContext(exchange, tensor.shape, tensor.dtype, traffic)
+        ctx = self._start(values, key, step, order, tag, tensor, traffic)
+        self._batch.contexts.append(ctx)
+        header = carrier.wrap(torch.zeros(0, dtype=torch.int64, device=tensor.device), ctx.world_size, ctx.tag)
+        ctx.traffic.count(Op.SUM, header, self.transport)
+        return header, ctx
+
+    def _start(self, values: torch.Tensor, key: Hashable, step: int, order: tuple, tag: int, tensor: torch.Tensor,
+               traffic: Traffic) -> _Context:
+        """The context of a new exact exchange of flat ``values`` (``tensor``'s, plus any clipped excess) as
+        gradient ``key``, its exchange not yet started."""
+        world_size = self.transport.size
         hint = (f" (here gradient {key!r}, exchange {step}): every worker must compress the same gradients "
                 "in each step, with the same compressor settings")
+        ahead = self.ahead
 
         def stamp(op: Op, request: torch.Tensor) -> tuple[Op, torch.Tensor]:
             return op, carrier.stamp(request, tag) if op is Op.MAX else request
 
         def unstamp(op: Op, reduced: torch.Tensor) -> torch.Tensor:
-            return carrier.unstamp(reduced, tag, hint) if op is Op.MAX else reduced
+            if op is not Op.MAX:
+                return reduced
+            stats = carrier.unstamp(reduced, tag, hint)
+            if ahead is not None:  # the shared scale of this exchange seeds the next one's
+                ahead.agree(key, values.numel(), world_size, stats)
+            return stats
 
-        inner = self.codec.exchange(flat, [flat.numel()], key, step, world_size)  # int64 payload words
-        traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
+        inner = self.codec.exchange(values, [values.numel()], key, step, world_size)  # int64 payload words
         return _Context(relay(inner, stamp, unstamp), key, order, tag, tensor.shape, tensor.dtype, world_size,
-                        traffic, batch)
+                        traffic, self._batch)
 
     def _exchange(self, batch: _Batch) -> None:
         """Run the exchanges of ``batch`` together up to their payload, one collective per round, then one
@@ -207,6 +249,8 @@ class MaxNormCompressor(Compressor):
         if ctx is None:
             return tensor
         self._step_open = False
+        if isinstance(ctx, _AheadContext):
+            return self._finish_ahead(tensor, ctx)
         if not ctx.batch.exchanged:
             self._exchange(ctx.batch)
         word_sums, ctx.word_sums = ctx.word_sums, None
@@ -224,6 +268,20 @@ class MaxNormCompressor(Compressor):
             return mean.view(ctx.shape).to(ctx.dtype)
         raise RuntimeError("the exchange protocol did not finish after its payload")
 
+    def _finish_ahead(self, reduced: torch.Tensor, ctx: _AheadContext) -> torch.Tensor:
+        start = time.perf_counter()
+        exchange = ctx.exchange
+        mean, averaged, finite = self.ahead.finish(exchange, reduced)
+        if not finite:
+            warnings.warn(f"hvdcomp: a worker's gradient {exchange.key!r} holds NaN/Inf; every worker gets NaN for it",
+                          RuntimeWarning, stacklevel=3)
+        elif not averaged:
+            mean.mul_(exchange.world_size)
+        ctx.traffic.decompress_s += time.perf_counter() - start
+        self.stats.last_step.add(ctx.traffic)
+        self.stats.total.add(ctx.traffic)
+        return mean.view(ctx.shape).to(ctx.dtype)
+
 
 class QSGDMaxNorm(MaxNormCompressor):
     """QSGD with a shared max-norm scale: ``s = 2**bits - 1`` levels per sign, unbiased stochastic rounding.
@@ -231,11 +289,25 @@ class QSGDMaxNorm(MaxNormCompressor):
     Scale ``M`` = max over workers of ``max|g|`` (per tensor, or per ``chunk_size`` elements). Each
     element's decoded value is unbiased with variance at most ``(M / s)**2 / 4``; the mean over ``W``
     workers has variance at most ``(M / s)**2 / (4 W)``. ``bits`` in [1, 16].
+
+    ``scale`` (stock optimizer only; ``hvdcomp.DistributedOptimizer`` overlaps the exact exchange itself):
+
+    - ``"ahead"`` (default): ``M`` is the max agreed at the gradient's previous exchange, carried with
+      that exchange's payload, so the payload travels in the carrier Horovod all-reduces during backward
+      and no collective blocks. An element above ``M`` is sent as ``sign * M`` and its excess is kept in a
+      per-worker memory and sent with the next step (delayed, never lost; that step is biased towards
+      zero by the excess). Without clipping a step is unbiased with variance at most ``(M / s)**2 / 4``
+      for the previous step's ``M``: more than the exact mode's when the gradient shrank, less when it
+      grew. The first exchange of a gradient (and any without an agreed scale: a new size, a state
+      without one, the step after a NaN/Inf) is exact. Carrier: float64 words of ``carrier.word_bits(W)``
+      bits (8 bits per element for 4 bits at W = 2) plus ``W`` slots per scale group.
+    - ``"exact"``: this step's ``M``, from a blocking MAX round in ``synchronize()`` batched over every
+      gradient, then an int64 SUM of the packed levels; unbiased every step, no overlap with backward.
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set)
+                 process_set: hvd.ProcessSet | None = None, scale: str = "ahead") -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set, scale)
 
 
 class QSGDMaxNormMultiScale(MaxNormCompressor):

@@ -1,0 +1,176 @@
+"""Scale agreed one step ahead: the stock-optimizer path of ``QSGDMaxNorm`` without a blocking collective.
+
+With ``scale="ahead"``, ``compress`` quantizes a gradient at once with the scale every worker agreed
+for it at its previous exchange, and returns the whole payload as one float64 carrier that Horovod
+all-reduces during backward, overlapped with it:
+
+    [canary, W, tag, tag**2 | packed level words | W x (G + 1) per-rank slots]
+
+(``hvdcomp.codec.carrier``: words of ``carrier.word_bits(W)`` bits, exact under Sum, Average and a
+predivide factor). ``G`` is the number of scale groups of the tensor (one, or one per ``chunk_size``
+elements); worker ``r`` writes its local ``max|g|`` per group and its NaN/Inf flag into row ``r`` and
+zeros elsewhere, so the reduced rows hold every worker's local statistics and the next exchange's
+shared scale (their maximum) is known on every worker without another collective.
+
+An element above the agreed scale ``M`` is *clipped*: it is sent as ``sign(x) * M`` (the top level,
+no rounding) and its excess ``x - sign(x) * M`` stays in a per-worker error-feedback memory that is
+added to the tensor's next gradient, so nothing is lost; the next scale is the max of ``|g + excess|``,
+so the excess fits then. The memory holds only the clipped elements (indices and excess values).
+
+Bias and variance, against ``scale="exact"`` (this step's max, one blocking MAX round per step):
+
+- a step without clipping is unbiased, with per-element variance at most ``(M / s)**2 / 4`` for the
+  agreed ``M``: larger than the exact mode's when the gradient's max shrank since the last step,
+  smaller when it grew;
+- a clipped element is biased towards zero by its excess in that step; the excess is sent the next
+  step (delayed, not lost): over steps, the sum of what a worker sent equals the sum of its
+  gradients minus its current excess.
+
+A gradient without an agreed scale (its first exchange, a new size or world size, a state that did
+not hold one, or the step after a non-finite one) takes the exact exchange instead; its MAX round
+then seeds the agreed scale. If any worker's gradient holds NaN/Inf, every worker gets an all-NaN
+result (the caller warns), the excess memory is left as it was, and the tensor's next exchange is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codec import carrier
+from ..codec.quantize import MaxNormQuantizer
+
+SCALE_MODES = ("ahead", "exact")
+
+
+@dataclass
+class AheadExchange:
+    """One gradient's exchange in flight: what ``finish`` needs after Horovod reduced its carrier."""
+
+    key: Hashable
+    numel: int
+    world_size: int
+    tag: int
+    groups: torch.Tensor  # int64 lengths of the scale groups
+    stats: torch.Tensor  # float32 [G + 1]: the agreed scales used, then 0
+    words: int  # number of payload words in the carrier
+    excess: tuple[torch.Tensor, torch.Tensor] | None  # clipped (indices, excess), kept if the step is finite
+
+
+class ScaleAhead:
+    """Agreed scales and clipping memory of one compressor's gradients (see the module docstring).
+
+    Args:
+        quantizer: a single-resolution ``MaxNormQuantizer`` (the multi-scale agreement needs its own round).
+    """
+
+    def __init__(self, quantizer: MaxNormQuantizer) -> None:
+        if quantizer.multiscale:
+            raise ValueError("scale='ahead' needs a single resolution: the multi-scale agreement is a round of its own")
+        self.quantizer = quantizer
+        self._scales: dict[Hashable, tuple[int, int, torch.Tensor]] = {}  # key -> (numel, W, stats [G + 1])
+        self._excess: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (indices, excess values)
+        self._work: dict[Hashable, torch.Tensor] = {}  # gradient + excess, reused every step
+        self._carriers: dict[Hashable, torch.Tensor] = {}  # the carrier buffer, reused every step
+
+    def ready(self, key: Hashable, numel: int, world_size: int) -> bool:
+        """Whether ``key`` has a scale agreed for an exchange of ``numel`` elements over ``world_size`` workers."""
+        agreed = self._scales.get(key)
+        return agreed is not None and agreed[:2] == (numel, world_size)
+
+    def with_excess(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` plus the excess clipped from ``key``'s earlier steps (``flat`` itself when there is none,
+        else a buffer reused every step); ``flat`` is never written."""
+        excess = self._excess.get(key)
+        if excess is None or excess[0].numel() == 0:
+            return flat
+        work = self._work.get(key)
+        if work is None or work.numel() != flat.numel() or work.device != flat.device:
+            work = self._work[key] = torch.empty_like(flat)
+        indices, values = excess
+        return work.copy_(flat).index_add_(0, indices.to(flat.device), values.to(flat.device))
+
+    def agree(self, key: Hashable, numel: int, world_size: int, stats: torch.Tensor) -> None:
+        """Record the MAX-reduced ``local_stats`` of an exact exchange of ``key`` as its next agreed scale
+        (or forget it after a non-finite step), and drop the excess that exchange sent."""
+        if self.quantizer.saw_nonfinite(stats):
+            self._scales.pop(key, None)
+            return
+        self._excess.pop(key, None)
+        self._scales[key] = (numel, world_size, torch.cat([stats[:-1].float(), stats.new_zeros(1)]))
+
+    def start(self, key: Hashable, values: torch.Tensor, world_size: int, rank: int, tag: int,
+              rounding: torch.Tensor) -> tuple[torch.Tensor, AheadExchange]:
+        """The float64 carrier of flat float32 ``values`` (gradient + excess) quantized with ``key``'s agreed
+        scale, and the exchange's context. The carrier is a buffer of ``key`` reused every step."""
+        quantizer = self.quantizer
+        numel = values.numel()
+        _, _, stats = self._scales[key]
+        groups = quantizer.scale_groups(numel)
+        local = quantizer.local_stats(values, groups)
+        finite = not quantizer.saw_nonfinite(local)
+        if not finite:
+            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        word_bits = carrier.word_bits(world_size)
+        words = quantizer.encode(values, stats, groups, None, world_size, word_bits, rounding)
+        slots = world_size * local.numel()
+        size = carrier.HEADER + words.numel() + slots
+        buffer = self._carriers.get(key)
+        if buffer is None or buffer.numel() != size or buffer.device != values.device:
+            buffer = self._carriers[key] = torch.empty(size, dtype=torch.float64, device=values.device)
+        buffer[:carrier.HEADER] = carrier.wrap(words.new_empty(0), world_size, tag)
+        buffer[carrier.HEADER:carrier.HEADER + words.numel()].copy_(words)
+        rows = buffer[carrier.HEADER + words.numel():].view(world_size, local.numel())
+        rows.zero_()
+        rows[rank] = local
+        excess = self._clipped(values, local, stats, groups) if finite else None
+        return buffer, AheadExchange(key, numel, world_size, tag, groups, stats, words.numel(), excess)
+
+    def _clipped(self, values: torch.Tensor, local: torch.Tensor, stats: torch.Tensor,
+                 groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 indices, float32 excess beyond the agreed scale) of the elements of ``values`` above it."""
+        scales = stats[:-1]
+        if not bool((local[:-1] > scales).any()):
+            return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
+        limit = scales if groups.numel() <= 1 else scales.repeat_interleave(groups.to(values.device))
+        indices = (values.abs() > limit.expand_as(values)).nonzero().squeeze(1)
+        picked = values[indices]
+        bound = limit.expand_as(values)[indices]
+        return indices, picked - picked.clamp(-bound, bound)
+
+    def finish(self, exchange: AheadExchange, reduced: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+        """From the reduced carrier: float32 ``[numel]`` mean over the workers of their decoded values (all
+        NaN if any worker's values were non-finite), whether Horovod averaged, and whether all were finite.
+        Updates the agreed scale and, on a finite step, the excess memory."""
+        quantizer, world_size = self.quantizer, exchange.world_size
+        end = carrier.HEADER + exchange.words
+        word_sums, averaged = carrier.unwrap(reduced[:end], world_size, exchange.tag)
+        # every element of the carrier was scaled alike: the canary (reduced to c * W) recovers the sums
+        rows = (reduced[end:] * (world_size / reduced[0])).view(world_size, -1)
+        agreed = rows.amax(dim=0).float()
+        finite = not quantizer.saw_nonfinite(agreed)
+        if not finite:
+            self._scales.pop(exchange.key, None)
+            mean = torch.full((exchange.numel,), float("nan"), device=reduced.device)
+            return mean, averaged, False
+        mean = quantizer.decode(word_sums, exchange.stats, exchange.groups, None, exchange.numel, world_size,
+                                carrier.word_bits(world_size))
+        agreed[-1] = 0.0
+        self._scales[exchange.key] = (exchange.numel, world_size, agreed)
+        if exchange.excess is not None and exchange.excess[0].numel():
+            self._excess[exchange.key] = exchange.excess
+        else:
+            self._excess.pop(exchange.key, None)
+        return mean, averaged, True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The agreed scales and the excess memory (what a resumed run needs to continue exactly)."""
+        return {"scales": {key: (numel, size, stats.clone()) for key, (numel, size, stats) in self._scales.items()},
+                "excess": {key: (indices.clone(), values.clone()) for key, (indices, values) in self._excess.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scales = {key: (numel, size, stats.clone()) for key, (numel, size, stats) in state["scales"].items()}
+        self._excess = {key: (indices.clone(), values.clone()) for key, (indices, values) in state["excess"].items()}
