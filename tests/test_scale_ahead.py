@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hvdcomp.codec.quantize import MaxNormQuantizer
+from hvdcomp.codec.random import stream_words
 from hvdcomp.exchange.protocol import Op
 from hvdcomp.exchange.simulator import simulate
 from hvdcomp.integrations.scale_ahead import ScaleAhead
@@ -11,17 +12,17 @@ from hvdcomp.integrations.scale_ahead import ScaleAhead
 TAG = 777
 
 
-def _ahead_exchange(state, key, values, world_size, rank, generator, op):
+def _ahead_exchange(state, key, values, world_size, rank, rounding, op):
     """One worker's ahead exchange as a protocol exchange: a single SUM of its carrier (``op="average"``
     then scales by 1/W, as Horovod's Average does)."""
-    payload, exchange = state.start(key, values, world_size, rank, TAG, generator)
+    payload, exchange = state.start(key, values, world_size, rank, TAG, rounding)
     reduced = yield Op.SUM, payload.clone()
     if op == "average":
         reduced = reduced / world_size
     return state.finish(exchange, reduced)
 
 
-def _step(states, quantizer, grads, generators, op="sum", key="w"):
+def _step(states, quantizer, grads, streams, op="sum", key="w"):
     """One exchange of ``grads`` (one per worker): exact (the MAX of the local statistics seeds the agreed
     scale, the values sent whole) when no scale is agreed yet, else ahead. Returns (mean, what each worker
     meant to send)."""
@@ -36,7 +37,7 @@ def _step(states, quantizer, grads, generators, op="sum", key="w"):
             state.agree(key, numel, world_size, stats)
         return None, values
     results = simulate([_ahead_exchange(state, key, v, world_size, rank, gen, op)
-                        for rank, (state, v, gen) in enumerate(zip(states, values, generators))])
+                        for rank, (state, v, gen) in enumerate(zip(states, values, streams))])
     means = [mean for mean, _, _ in results]
     for mean, averaged, _ in results:  # identical on every worker
         torch.testing.assert_close(mean, means[0], rtol=0, atol=0, equal_nan=True)
@@ -50,7 +51,7 @@ def test_clipped_excess_is_kept_and_sent_later(chunk_size, op):
     world_size, numel, bits = 3, 100, 4
     quantizer = MaxNormQuantizer((bits,), chunk_size)
     states = [ScaleAhead(quantizer) for _ in range(world_size)]
-    generators = [torch.Generator().manual_seed(rank) for rank in range(world_size)]
+    streams = [stream_words(0, rank) for rank in range(world_size)]  # each worker's rounding stream
     gen = torch.Generator().manual_seed(5)
     sent_total = torch.zeros(numel)
     grad_total = torch.zeros(numel)
@@ -60,7 +61,7 @@ def test_clipped_excess_is_kept_and_sent_later(chunk_size, op):
         grads = [torch.randn(numel, generator=gen) * (1.5**step) for _ in range(world_size)]
         grad_total += sum(grads)
         scales_before = states[0].state_dict()["scales"].get("w")
-        mean, values = _step(states, quantizer, grads, generators, op)
+        mean, values = _step(states, quantizer, grads, streams, op)
         if mean is None:  # the first exchange is exact; what each worker sent is its values, whole
             assert step == 0
             sent_total += sum(values)
@@ -94,12 +95,12 @@ def test_decoded_mean_is_unbiased_for_the_clipped_values():
     world_size, numel, bits = 2, 4000, 2
     quantizer = MaxNormQuantizer((bits,))
     states = [ScaleAhead(quantizer) for _ in range(world_size)]
-    generators = [torch.Generator().manual_seed(10 + rank) for rank in range(world_size)]
+    streams = [stream_words(0, 10 + rank) for rank in range(world_size)]  # each worker's rounding stream
     gen = torch.Generator().manual_seed(1)
     base = [torch.randn(numel, generator=gen) for _ in range(world_size)]
-    _step(states, quantizer, base, generators)  # exact: seeds the scale
+    _step(states, quantizer, base, streams)  # exact: seeds the scale
     grads = [b * 1.2 for b in base]  # 20% larger: the top elements clip
-    mean, values = _step(states, quantizer, grads, generators)
+    mean, values = _step(states, quantizer, grads, streams)
     agreed_before = torch.stack(base).abs().max()
     clipped = torch.stack([v.clamp(-agreed_before, agreed_before) for v in values]).mean(dim=0)
     unit = agreed_before / (2**bits - 1)
@@ -112,15 +113,15 @@ def test_nonfinite_gradient_gives_nan_everywhere_and_leaves_memory():
     world_size, numel = 2, 50
     quantizer = MaxNormQuantizer((4,))
     states = [ScaleAhead(quantizer) for _ in range(world_size)]
-    generators = [torch.Generator().manual_seed(rank) for rank in range(world_size)]
+    streams = [stream_words(0, rank) for rank in range(world_size)]  # each worker's rounding stream
     gen = torch.Generator().manual_seed(3)
-    _step(states, quantizer, [torch.randn(numel, generator=gen) for _ in range(world_size)], generators)
-    _step(states, quantizer, [torch.randn(numel, generator=gen) * 3 for _ in range(world_size)], generators)
+    _step(states, quantizer, [torch.randn(numel, generator=gen) for _ in range(world_size)], streams)
+    _step(states, quantizer, [torch.randn(numel, generator=gen) * 3 for _ in range(world_size)], streams)
     before = [state.state_dict() for state in states]
     assert any(b["excess"] for b in before)  # something is kept to be left alone
     grads = [torch.randn(numel, generator=gen) for _ in range(world_size)]
     grads[1][7] = float("nan")
-    mean, _ = _step(states, quantizer, grads, generators)
+    mean, _ = _step(states, quantizer, grads, streams)
     assert mean.isnan().all()
     for state, saved in zip(states, before):
         after = state.state_dict()["excess"]

@@ -67,7 +67,7 @@ def test_ahead_scale_in_horovod_is_identical_lossless_and_resumes_exactly():
     codecs = [hvdcomp.QSGDMaxNorm(BITS).codec for _ in range(world_size)]
     for index in range(3):
         grads = [_grads(rank, 0)[index].reshape(-1) for rank in range(world_size)]
-        want = simulate_max_norm(codecs, grads, key=None, word_bits=carrier.word_bits(world_size))[0]
+        want = simulate_max_norm(codecs, grads, key=index, word_bits=carrier.word_bits(world_size))[0]
         assert torch.equal(original[0][("mean", 0)][index].reshape(-1), want)
     # later steps carry their payload in the carrier Horovod reduces; no blocking exchange
     assert all(size > carrier.HEADER for size in original[0][("carrier", 1)])
