@@ -3,9 +3,10 @@
 Builds ``--nodes`` network namespaces behind one switch, every link shaped by tc to each ``--rates`` rate
 (``cluster_netns``), and runs every scheme (``cluster_schemes``) in fresh worker processes inside them
 (``cluster_worker``): Horovod Gloo workers through Horovod's own rendezvous server, as ``horovod.ray``
-starts them, or torch DDP Gloo workers. A scheme whose workers do not start within ``--startup-timeout``
-seconds, or then finish no step for ``--stall-timeout`` seconds, is reported as a hang, one whose worker
-fails as an error; the run goes on. Needs root.
+starts them, or torch.distributed Gloo workers (DDP with its own hooks or hvdcomp's, Birder), as torchrun
+starts them. A scheme whose workers do not start within ``--startup-timeout`` seconds, or then finish no
+step for ``--stall-timeout`` seconds, is reported as a hang, one whose worker fails as an error; the run
+goes on. Needs root.
 
     python benchmarks/cluster.py --quick
     python benchmarks/cluster.py --nodes 2 --workers-per-node 1 --rates 1gbit,10gbit --reps 3 \\
@@ -98,8 +99,10 @@ def _horovod_env(cluster: Cluster, args: argparse.Namespace, node: int, local: i
 
 
 def _ddp_env(cluster: Cluster, args: argparse.Namespace, node: int, local: int) -> dict[str, str]:
+    """torch.distributed's per-worker variables, as torchrun sets them: ranks node by node, and the node's
+    ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` (what ``TorchDistributedTransport`` reads for hierarchical exchanges)."""
     return {"RANK": str(node * args.workers_per_node + local), "WORLD_SIZE": str(cluster.nodes * args.workers_per_node),
-            "GLOO_SOCKET_IFNAME": INTERFACE}
+            "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(args.workers_per_node), "GLOO_SOCKET_IFNAME": INTERFACE}
 
 
 def _start_rendezvous(cluster: Cluster, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
@@ -154,7 +157,7 @@ def run_scheme(cluster: Cluster, args: argparse.Namespace, scheme: str, index: i
             "rate": cluster.rate, "rate_bps": cluster.rate_bps, "model": args.model, "reps": args.reps,
             "warmup": args.warmup, "threads": args.threads}
     workers = cluster.nodes * args.workers_per_node
-    ddp = parse_scheme(scheme).family == "ddp"
+    ddp = parse_scheme(scheme).torch_distributed
     processes: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="hvdcomp-cluster-") as tmp:
         out = Path(tmp)

@@ -11,7 +11,7 @@ from typing import Any
 
 BASELINES = ("horovod:fp32", "ddp:fp16")
 DETAIL_CHARS = 100  # of a hang's or error's detail in the table (the JSON keeps it whole)
-FAMILY_LINES = {"hvdcomp": "-", "horovod": "--", "ddp": ":", "stock": "-."}
+FAMILY_LINES = {"hvdcomp": "-", "horovod": "--", "ddp": ":", "stock": "-.", "hvdcomp-ddp": (0, (5, 1, 1, 1, 1, 1))}
 SECONDS = ("compress_s", "communicate_s", "decompress_s")
 
 
@@ -70,7 +70,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def plot(records: list[dict[str, Any]], path: str) -> None:
     """PNG of median seconds per exchange against link rate (log axes), one line per scheme, line style by
-    family (hvdcomp solid, Horovod dashed, DDP dotted, stock dash-dot)."""
+    family (hvdcomp solid, Horovod dashed, DDP dotted, stock dash-dot, hvdcomp-ddp dash-dot-dot)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -9,6 +9,10 @@ Families:
   ``multiscale48`` (bits 4 and 8), ``randk1`` (1% of each tensor, 8 bits), ``powersgd1``; or ``birder``
   (``hvdcomp.Birder``). ``:hier`` makes the exchange hierarchical (full precision inside a node, the
   compressed payload between nodes);
+- ``hvdcomp-ddp``: the same variants on torch DDP over Gloo, without Horovod: ``hvdcomp.ddp.register``'s
+  hook with ``None`` (``none``), ``FP16()``, ``MaxNormCodec``s (``qsgd<bits>``, ``multiscale48``, ``randk1``)
+  or ``PowerSGD(rank=1)``; ``birder``: ``hvdcomp.Birder`` over a ``TorchDistributedTransport``, no DDP.
+  ``:hier`` as for ``hvdcomp``;
 - ``stock``: stock ``hvd.DistributedOptimizer(compression=hvdcomp.QSGDMaxNorm(<bits>))``: ``qsgd<bits>``.
 
 Pure (no torch, no Horovod): both the orchestrator and the workers import it.
@@ -23,17 +27,21 @@ FAMILIES = {
     "horovod": ("fp32", "fp16"),
     "ddp": ("fp32", "fp16", "powersgd1"),
     "hvdcomp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
+    "hvdcomp-ddp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
     "stock": ("qsgd<bits>",),
 }
 QSGD = re.compile(r"qsgd([1-9]|1[0-6])")
+HIERARCHICAL_FAMILIES = ("hvdcomp", "hvdcomp-ddp")
+TORCH_DISTRIBUTED_FAMILIES = ("ddp", "hvdcomp-ddp")  # workers join torch.distributed, not Horovod
 PAYLOAD_BITS = {"fp32": 32, "fp16": 16}  # bits per element of the uncompressed peers' payloads
 
 DEFAULT = ("horovod:fp32", "horovod:fp16", "ddp:fp32", "ddp:fp16", "ddp:powersgd1", "hvdcomp:none",
            "hvdcomp:fp16", "hvdcomp:qsgd2", "hvdcomp:qsgd4", "hvdcomp:qsgd8", "hvdcomp:multiscale48",
-           "hvdcomp:randk1", "hvdcomp:powersgd1", "hvdcomp:birder", "stock:qsgd4")
+           "hvdcomp:randk1", "hvdcomp:powersgd1", "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:fp16",
+           "hvdcomp-ddp:qsgd4", "hvdcomp-ddp:powersgd1")  # the other hvdcomp-ddp ones on request (--schemes)
 HIERARCHICAL_DEFAULT = ("hvdcomp:fp16:hier", "hvdcomp:qsgd4:hier", "hvdcomp:powersgd1:hier", "hvdcomp:birder:hier")
 QUICK = ("horovod:fp32", "horovod:fp16", "ddp:fp16", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp:powersgd1",
-         "hvdcomp:birder", "stock:qsgd4")
+         "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:qsgd4")
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,11 @@ class Scheme:
     @property
     def name(self) -> str:
         return f"{self.family}:{self.variant}" + (":hier" if self.hierarchical else "")
+
+    @property
+    def torch_distributed(self) -> bool:
+        """Whether the workers join torch.distributed (``RANK``, ``WORLD_SIZE``, ``--ddp-init``), not Horovod."""
+        return self.family in TORCH_DISTRIBUTED_FAMILIES
 
     @property
     def qsgd_bits(self) -> int | None:
@@ -61,10 +74,11 @@ def parse_scheme(name: str) -> Scheme:
     valid = variant in known or ("qsgd<bits>" in known and QSGD.fullmatch(variant) is not None)
     if len(parts) not in (2, 3) or (len(parts) == 3 and not hierarchical) or not valid:
         choices = "; ".join(f"{f}:{{{','.join(v)}}}" for f, v in FAMILIES.items())
-        raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp ones with "
-                         "an optional :hier suffix")
-    if hierarchical and family != "hvdcomp":
-        raise ValueError(f"scheme {name!r}: only hvdcomp schemes have a hierarchical (:hier) variant")
+        raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp and hvdcomp-ddp "
+                         "ones with an optional :hier suffix")
+    if hierarchical and family not in HIERARCHICAL_FAMILIES:
+        raise ValueError(f"scheme {name!r}: only hvdcomp and hvdcomp-ddp schemes have a hierarchical (:hier) "
+                         "variant")
     return Scheme(family, variant, hierarchical)
 
 

@@ -5,7 +5,10 @@ The loss is linear in the parameters, ``sum(p * c)`` with fixed per-worker coeff
 gradient is ``c``), so backward costs next to nothing and the gradient hooks fire in the model's real
 backward order: the wall time of ``backward()`` + ``step()`` is the exchange. Each timed step starts
 after a barrier. Horovod schemes read ``HOROVOD_*`` from the environment (the orchestrator sets them as
-``horovod.ray`` does); DDP schemes read ``RANK`` and ``WORLD_SIZE`` and join ``--ddp-init``.
+``horovod.ray`` does); ``ddp`` and ``hvdcomp-ddp`` schemes read ``RANK`` and ``WORLD_SIZE`` (hierarchical
+ones also ``LOCAL_WORLD_SIZE``/``LOCAL_RANK``, as torchrun sets them) and join ``--ddp-init``; they never
+import Horovod. The warm-up steps cover what is not a steady step: DDP's first iteration (one bucket,
+plus the agreement MAX of hvdcomp's hook), torch PowerSGD's start at step 2.
 
 Writes ``<out>/rank<R>.json``: ``step_s`` (seconds of each timed step), ``traffic`` (per timed step,
 ``Traffic.as_dict()`` of hvdcomp's statistics, or null where the scheme has none), ``elements``
@@ -108,14 +111,55 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
                lambda: PAYLOAD_BITS.get(scheme.variant) if scheme.family == "horovod" else None)
 
 
+def _hvdcomp_ddp_codec(variant: str, bits: int | None) -> Any:
+    """The bucket codec of an ``hvdcomp-ddp`` variant, built as the ``hvdcomp`` compressor of the same name
+    builds it (``QSGDMaxNorm``, ``QSGDMaxNormMultiScale``, ``GlobalRandKMaxNorm``: their defaults), without
+    Horovod; ``None`` for ``none`` (``register``'s fp32 mean)."""
+    from hvdcomp import FP16, MaxNormQuantizer, PowerSGD, RandomCoordinateSelector
+    from hvdcomp.exchange import MaxNormCodec
+
+    if bits is not None:
+        return MaxNormCodec(MaxNormQuantizer((bits,)))
+    return {"none": lambda: None, "fp16": FP16,
+            "multiscale48": lambda: MaxNormCodec(MaxNormQuantizer((4, 8))),
+            "randk1": lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(ratio=0.01)),
+            "powersgd1": lambda: PowerSGD(rank=1)}[variant]()
+
+
+def _hvdcomp_ddp_run(scheme: Scheme, model: nn.Module, loss: LinearLoss) -> Run:
+    """hvdcomp-ddp:* schemes: ``hvdcomp.ddp.register``'s hook on DDP, or Birder over torch.distributed
+    (no DDP: Birder exchanges its own updates in ``step()``). ``:hier`` passes ``hierarchical=True``, whose
+    nodes are ``LOCAL_WORLD_SIZE`` consecutive ranks."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hvdcomp
+    import hvdcomp.ddp
+
+    if scheme.variant == "birder":
+        transport = hvdcomp.ddp.TorchDistributedTransport()
+        optimizer = hvdcomp.Birder(model.parameters(), hierarchical=scheme.hierarchical, transport=transport,
+                                   **BIRDER_HYPERPARAMETERS)
+        module, stats = loss, optimizer.stats
+    else:
+        module = DistributedDataParallel(loss, broadcast_buffers=False)
+        codec = _hvdcomp_ddp_codec(scheme.variant, scheme.qsgd_bits)
+        stats = hvdcomp.ddp.register(module, codec, hierarchical=scheme.hierarchical).stats
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return Run(module, optimizer, dist.barrier, lambda: stats.last_step.as_dict(), lambda: None)
+
+
 def ddp_run(scheme: Scheme, model: nn.Module, init_method: str) -> Run:
-    """ddp:* schemes: torch DDP over Gloo (``GLOO_SOCKET_IFNAME`` picks the interface)."""
+    """ddp:* and hvdcomp-ddp:* schemes: torch.distributed over Gloo (``GLOO_SOCKET_IFNAME`` picks the
+    interface)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
+    if scheme.family == "hvdcomp-ddp":
+        return _hvdcomp_ddp_run(scheme, model, LinearLoss(model, rank))
     module = DistributedDataParallel(LinearLoss(model, rank), broadcast_buffers=False)
     payload_bits: Callable[[], float | None] = lambda: PAYLOAD_BITS.get(scheme.variant)  # noqa: E731
     if scheme.variant == "fp16":
@@ -167,8 +211,8 @@ def main() -> None:
     scheme = parse_scheme(args.scheme)
     torch.manual_seed(0)  # the same initial weights on every worker
     model = BENCH_MODELS[args.model]()
-    rank = int(os.environ["RANK"] if scheme.family == "ddp" else os.environ["HOROVOD_RANK"])
-    run = ddp_run(scheme, model, args.ddp_init) if scheme.family == "ddp" else horovod_run(scheme, model)
+    rank = int(os.environ["RANK"] if scheme.torch_distributed else os.environ["HOROVOD_RANK"])
+    run = ddp_run(scheme, model, args.ddp_init) if scheme.torch_distributed else horovod_run(scheme, model)
     seconds, traffic = time_steps(run, args.warmup, args.reps, args.out / f"rank{rank}.progress")
     result = {"step_s": seconds, "traffic": traffic, "payload_bits": run.payload_bits(),
               "elements": sum(p.numel() for p in model.parameters())}

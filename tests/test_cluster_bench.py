@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import cluster  # noqa: E402
 import cluster_report  # noqa: E402
+import cluster_worker  # noqa: E402
 from cluster_netns import PREFIX, our_namespaces, parse_rate, why_unavailable  # noqa: E402
 from cluster_schemes import DEFAULT, HIERARCHICAL_DEFAULT, QUICK, Scheme, default_schemes, parse_scheme  # noqa: E402
 
@@ -33,7 +35,15 @@ def test_scheme_names():
     assert parse_scheme("hvdcomp:qsgd4:hier") == Scheme("hvdcomp", "qsgd4", True)
     assert parse_scheme("stock:qsgd8").qsgd_bits == 8
     assert parse_scheme("hvdcomp:birder").qsgd_bits is None
-    for bad in ("horovod:qsgd4", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp", "mpi:fp32"):
+    for variant in ("none", "fp16", "qsgd2", "qsgd8", "multiscale48", "randk1", "powersgd1", "birder"):
+        for name in (f"hvdcomp-ddp:{variant}", f"hvdcomp-ddp:{variant}:hier"):
+            assert parse_scheme(name).name == name and parse_scheme(name).torch_distributed
+    assert parse_scheme("hvdcomp-ddp:qsgd4:hier") == Scheme("hvdcomp-ddp", "qsgd4", True)
+    assert parse_scheme("ddp:fp16").torch_distributed and not parse_scheme("hvdcomp:qsgd4").torch_distributed
+    assert {"hvdcomp-ddp:fp16", "hvdcomp-ddp:qsgd4", "hvdcomp-ddp:powersgd1"} <= set(DEFAULT)
+    assert "hvdcomp-ddp:birder" not in DEFAULT and [n for n in QUICK if n.startswith("hvdcomp-ddp:")]
+    for bad in ("horovod:qsgd4", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp", "mpi:fp32",
+                "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none"):
         with pytest.raises(ValueError, match="scheme"):
             parse_scheme(bad)
     assert default_schemes(1) == list(DEFAULT)
@@ -49,10 +59,32 @@ def test_options(capsys):
     assert full.model == "resnet50" and full.threads == 2 and full.warmup == 3
     assert [rate for _, rate in full.rate_list] == [10**9, 10**10]
     assert full.scheme_list == ["horovod:fp32", "hvdcomp:qsgd4:hier"]
+    ddp = cluster.parse_args(["--quick", "--schemes", " hvdcomp-ddp:randk1,hvdcomp-ddp:birder:hier"])
+    assert ddp.scheme_list == ["hvdcomp-ddp:randk1", "hvdcomp-ddp:birder:hier"]
     for bad in (["--rates", "1gb"], ["--schemes", "hvdcomp:zip"], ["--nodes", "1"], ["--reps", "0"]):
         with pytest.raises(SystemExit):
             cluster.parse_args(bad)
     assert "rate '1gb'" in capsys.readouterr().err
+
+
+def test_torch_distributed_env():
+    """DDP workers get torchrun's variables: ranks node by node, each node's local rank and size."""
+    args = SimpleNamespace(workers_per_node=2)
+    env = cluster._ddp_env(SimpleNamespace(nodes=3), args, node=1, local=1)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "6", "1", "2")
+
+
+def test_hvdcomp_ddp_codecs_match_the_hvdcomp_schemes():
+    """hvdcomp-ddp:X builds (without Horovod) the bucket codec that hvdcomp:X's compressor carries."""
+    from hvdcomp.ddp import codec_for
+
+    for variant in ("none", "fp16", "qsgd4", "multiscale48", "randk1", "powersgd1"):
+        bits = parse_scheme(f"hvdcomp-ddp:{variant}").qsgd_bits
+        ours = codec_for(cluster_worker._hvdcomp_ddp_codec(variant, bits))
+        theirs = codec_for(cluster_worker._hvdcomp_compression(variant, bits))  # imports Horovod
+        assert type(ours) is type(theirs), variant
+        assert getattr(ours, "config", tuple)() == getattr(theirs, "config", tuple)(), variant
+        assert getattr(ours, "seed", None) == getattr(theirs, "seed", None), variant
 
 
 def test_records_and_table():
@@ -83,7 +115,8 @@ needs_cluster = pytest.mark.skipif(why_unavailable() is not None, reason=f"clust
 @needs_cluster
 def test_quick_run(tmp_path):
     """``--quick --json``: every scheme reported (timed, or an explicit hang/error), baselines timed,
-    QSGD sending fewer bits than fp32, and none of the run's namespaces or hosts files left behind."""
+    QSGD sending fewer bits than fp32 over Horovod and over DDP (hvdcomp.ddp's hook), and none of the run's
+    namespaces or hosts files left behind."""
     out = tmp_path / "quick.json"
     bench = subprocess.Popen([sys.executable, str(BENCHMARKS / "cluster.py"), "--quick", "--json", str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -97,9 +130,10 @@ def test_quick_run(tmp_path):
             assert 0 < r["min_s"] <= r["median_s"] and len(r["step_s"]) == 3, name
         else:
             assert r["status"] in ("hang", "error") and r["detail"] and r["median_s"] is None, name
-    for timed in ("horovod:fp32", "hvdcomp:none", "hvdcomp:qsgd4"):
+    for timed in ("horovod:fp32", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp-ddp:qsgd4"):
         assert records[timed]["status"] == "ok", records[timed]
     assert records["hvdcomp:qsgd4"]["bits_per_element"] < 8 < 32 == records["horovod:fp32"]["bits_per_element"]
+    assert records["hvdcomp-ddp:qsgd4"]["bits_per_element"] < 8 and records["hvdcomp-ddp:qsgd4"]["compress_s"] > 0
     assert "| hvdcomp:qsgd4 |" in stdout
     mine = f"{PREFIX}{bench.pid}-"
     assert not [name for name in our_namespaces() if name.startswith(mine)]
