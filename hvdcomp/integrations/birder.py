@@ -66,6 +66,7 @@ from ..exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
+from .birder_state import birder_state, load_birder_state
 from .parity import called_by_broadcast_optimizer_state
 
 _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
@@ -351,42 +352,10 @@ class Birder(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict plus ``"birder"``: this worker's m, b, active mask, step and generator state."""
-        state = super().state_dict()
-        self._ensure_buffers()
-        state["birder"] = {
-            "numel": self._layout.numel,
-            "step": self._step,
-            "m": self._m.clone(),
-            "b": self._b.clone(),
-            "active": self._active.clone(),
-            "rank": self._generator_rank,
-            "generator": None if self._generator is None else self._generator.get_state(),
-        }
-        return state
+        return dict(super().state_dict(), birder=birder_state(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        birder = state_dict.pop("birder", None)
-        if birder is None:
-            raise ValueError("Birder.load_state_dict: no 'birder' entry (not a Birder state dict)")
-        layout = self._ensure_buffers()
-        if birder["numel"] != layout.numel:
-            raise ValueError(f"Birder.load_state_dict: {birder['numel']} elements saved, {layout.numel} here")
-        super().load_state_dict(state_dict)
-        self._step = int(birder["step"])
-        self._m.copy_(birder["m"])
-        self._b.copy_(birder["b"])
-        self._active.copy_(birder["active"])
-        self._all_active = bool(self._active.all())
-        if birder["generator"] is None:
-            self._generator, self._generator_rank = None, None
-        else:
-            if self._generator_rank is not None and birder["rank"] != self._generator_rank:
-                warnings.warn(f"Birder: loading rank {birder['rank']}'s state on rank {self._generator_rank}; "
-                              "each worker should load its own", RuntimeWarning, stacklevel=2)
-            self._generator = torch.Generator(device=layout.device)
-            self._generator.set_state(birder["generator"])
-            self._generator_rank = birder["rank"]
+        load_birder_state(self, state_dict, super().load_state_dict)
 
 
 def simulate_step(optimizers: Sequence[Birder], local_size: int | None = None) -> list[object]:

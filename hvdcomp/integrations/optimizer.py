@@ -53,6 +53,7 @@ from .parity import (
     remove_hooks,
     warn_about_horovod_hierarchy,
 )
+from .resume import agree_on_state, exchange_state, load_exchange_state
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -205,7 +206,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.stats.begin_step()
             self._fresh_step = False
         if not self._agreed:
-            self._agree_on_state()
+            agree_on_state(self)
         started = time.perf_counter()
         bucket.launched = True
         bucket.exchange = self._bucket_exchange(bucket)
@@ -214,22 +215,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
         self._start(bucket, op, tensor)
         self._inflight.append(bucket)
-
-    def _agree_on_state(self) -> None:
-        """Before the first exchange after construction or ``load_state_dict``: every worker must hold
-        the same exchange step (coordinate sets, PowerSGD's start and its shared Qs follow it). Horovod's
-        ``broadcast_optimizer_state`` does not carry hvdcomp's per-worker state, so a checkpoint of it
-        loaded on some workers only is refused here, on every worker, instead of diverging silently.
-        (16 bytes once, not counted in ``stats``, so that a resumed run counts what an unbroken one does.)"""
-        step = float(self._exchange_step)
-        request = torch.tensor([step, -step], dtype=torch.float64)
-        seen = self._transport.wait(self._transport.start(Op.MAX, request, f"{self._prefix}.agree"))
-        if seen[0] != -seen[1]:
-            raise RuntimeError(f"hvdcomp.DistributedOptimizer: the workers hold different hvdcomp states (exchange "
-                               f"steps {int(-seen[1])} to {int(seen[0])}): every worker must load its own "
-                               "optimizer.state_dict() (hvd.broadcast_optimizer_state does not carry hvdcomp's "
-                               "per-worker state), or none")
-        self._agreed = True
 
     def _start(self, bucket: Bucket, op: Op, tensor: torch.Tensor) -> None:
         self.stats.last_step.count(op, tensor, self._transport)
@@ -337,21 +322,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        state = super(self.__class__, self).state_dict()
-        codec = None if self._codec is None else self._codec.state_dict()
-        state["hvdcomp"] = {"codec": codec, "exchange_step": self._exchange_step}
-        return state
+        return dict(super(self.__class__, self).state_dict(), hvdcomp=exchange_state(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        ours = state_dict.pop("hvdcomp", None)
-        super(self.__class__, self).load_state_dict(state_dict)
-        self._synchronized = False
-        self._agreed = False
-        if ours is not None:
-            if self._codec is not None and ours["codec"] is not None:
-                self._codec.load_state_dict(ours["codec"])
-            self._exchange_step = ours["exchange_step"]
+        load_exchange_state(self, state_dict, super(self.__class__, self).load_state_dict)
 
 
 def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
