@@ -7,7 +7,8 @@ Layers, each depending only on those below it:
 - ``hvdcomp.exchange``: protocols of typed collective requests, the bucket codec contract, the
   simulator, hierarchical routing, the 1-bit exchanges, the cost model and the statistics type;
 - ``hvdcomp.transport``: Horovod and MPI carry the requests out;
-- ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer`` and ``Birder``.
+- ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer`` and ``Birder``;
+  ``hvdcomp.init()`` starts Horovod as hierarchical exchanges need it.
 
 The public names below load their layer on first use, so ``import hvdcomp.codec`` (or
 ``hvdcomp.exchange``) needs neither Horovod nor mpi4py.
@@ -36,6 +37,7 @@ _HOMES = {
     "QSGDMaxNormMultiScale": ".integrations.compressors",
     "DistributedOptimizer": ".integrations.optimizer",
     "Birder": ".integrations.birder",
+    "init": ".integrations.launch",
 }
 
 __all__ = sorted(_HOMES)

@@ -49,10 +49,12 @@ def run_function(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     init_kwargs: dict[str, Any] | None = None,
+    init: str = "horovod",
 ) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``np`` Horovod workers; return the results ordered by ``hvd.rank()``.
 
-    ``init_kwargs`` go to ``hvd.init`` (e.g. ``{"process_sets": "dynamic"}``). Results travel back
+    ``init_kwargs`` go to ``hvd.init`` (e.g. ``{"process_sets": "dynamic"}``), or to ``hvdcomp.init`` with
+    ``init="hvdcomp"``. Results travel back
     through pickle files, so tensors compare exactly; return plain data and tensors, not instances of
     classes defined in the test module (those come back as copies of a by-value class).
     """
@@ -60,7 +62,9 @@ def run_function(
         jobdir = Path(tmp)
         source = getattr(getattr(fn, "__code__", None), "co_filename", None)
         source = source if source and os.path.isfile(source) else None
-        payload = (fn, kwargs or {}, init_kwargs or {}, source)
+        if init not in ("horovod", "hvdcomp"):
+            raise ValueError(f"init must be 'horovod' or 'hvdcomp', got {init!r}")
+        payload = (fn, kwargs or {}, init_kwargs or {}, init, source)
         (jobdir / "payload.pkl").write_bytes(_dumps_by_value(fn, payload))
         cmd = _launcher_command(launcher, np, hosts) + [sys.executable, str(RUNNER), str(jobdir)]
         returncode, output = _launch(cmd, jobdir, timeout, env)

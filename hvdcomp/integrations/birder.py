@@ -67,6 +67,7 @@ from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, dr
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
 from .birder_state import birder_state, load_birder_state
+from .launch import resolve_hierarchical
 from .parity import called_by_broadcast_optimizer_state
 
 _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
@@ -116,9 +117,9 @@ class Birder(torch.optim.Optimizer):
         beta: decay of both moments, in (0, 1).
         weight_decay: decoupled weight decay ``lambda`` (>= 0): ``x <- x - lr (u_bar + lambda x)``.
         hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs equal nodes that cover all the
-            transport's workers, else every worker raises at the first step; over Horovod,
-            ``hvd.init(process_sets="dynamic")``). ``False``, a single node, or one worker per node uses
-            the exact 1-bit lane sum over all workers.
+            transport's workers, else every worker raises at the first step; over Horovod, ``hvdcomp.init()``).
+            ``False``, a single node, or one worker per node uses the exact 1-bit lane sum over all workers.
+            ``None``: as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says if it is set, else ``True``.
         inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
             ``HorovodTransport(process_set)``, created at the first step.
@@ -137,7 +138,7 @@ class Birder(torch.optim.Optimizer):
         lr: float,
         beta: float = 0.95,
         weight_decay: float = 0.0,
-        hierarchical: bool = True,
+        hierarchical: bool | None = None,
         inter_node: str = "auto",
         transport: Any = None,
         process_set: Any = None,
@@ -151,7 +152,7 @@ class Birder(torch.optim.Optimizer):
             raise ValueError("Birder: give a transport or a process_set, not both")
         self._layout: _Layout | None = None
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
-        self.hierarchical = bool(hierarchical)
+        self.hierarchical = resolve_hierarchical(hierarchical, default=True)
         self.inter_node = inter_node
         self.seed = seed
         self._transport = transport

@@ -46,12 +46,14 @@ from ..codec import carrier
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
+from ..codec.validate import check_int
 from ..exchange.bucket import BucketCodec
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
 from ..exchange.protocol import Exchange, Op, drive_together, relay
 from ..exchange.stats import Statistics, Traffic
 from ..transport.horovod import HorovodTransport
 from .stock_names import stock_call
+from .warmup import WarmupContext, warmup_compress
 
 
 @dataclass
@@ -105,6 +107,8 @@ class MaxNormCompressor(Compressor):
     Args:
         codec: quantizer, optional shared coordinate selection, error-feedback memory, seed.
         process_set: the Horovod process set the optimizer reduces over (default: all workers).
+        warmup_steps: the first ``warmup_steps`` steps send the gradient uncompressed (float32, reduced by
+            Horovod as with ``hvd.Compression.none``); the codec, its memories and step counts stay untouched.
 
     ``stats`` (``hvdcomp.exchange.stats.Statistics``) counts what this worker sent (the batched scales,
     agreement bits and packed levels when a step's exchange runs, each gradient's header carrier) and
@@ -112,8 +116,10 @@ class MaxNormCompressor(Compressor):
     first gradient's ``compress``.
     """
 
-    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None) -> None:
+    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
         self.codec = codec
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self._warmup_done, self._warming = 0, False  # warm-up steps begun; whether this step is one
         self.transport = HorovodTransport(process_set)
         self.stats = Statistics()
         self._steps: dict[Hashable, int] = {}  # exchanges so far, per gradient key
@@ -124,12 +130,13 @@ class MaxNormCompressor(Compressor):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: the codec's state and the step counters."""
         return {"codec": self.codec.state_dict(), "steps": dict(self._steps), "index_in_step": self._index_in_step,
-                "step_open": self._step_open}
+                "step_open": self._step_open, "warmup_done": self._warmup_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.codec.load_state_dict(state["codec"])
         self._steps, self._index_in_step = dict(state["steps"]), state["index_in_step"]
         self._step_open = state["step_open"]
+        self._warmup_done, self._warming = state.get("warmup_done", self.warmup_steps), False
         self._batch = None
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context]:
@@ -142,6 +149,10 @@ class MaxNormCompressor(Compressor):
             self._batch = None
             self.stats.begin_step()
             self.stats.steps += 1
+            self._warming = self._warmup_done < self.warmup_steps
+            self._warmup_done += self._warming
+        if self._warming:
+            return warmup_compress(tensor, self.stats, self.transport)
         if self._batch is None:
             self._batch = _Batch()
         step_of = self._steps.get
@@ -205,6 +216,8 @@ class MaxNormCompressor(Compressor):
         if ctx is None:
             return tensor
         self._step_open = False
+        if isinstance(ctx, WarmupContext):
+            return ctx.decompress(tensor)
         if not ctx.batch.exchanged:
             self._exchange(ctx.batch)
         word_sums, ctx.word_sums = ctx.word_sums, None
@@ -232,8 +245,8 @@ class QSGDMaxNorm(MaxNormCompressor):
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set)
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set, warmup_steps)
 
 
 class QSGDMaxNormMultiScale(MaxNormCompressor):
@@ -245,8 +258,8 @@ class QSGDMaxNormMultiScale(MaxNormCompressor):
     """
 
     def __init__(self, bits: Sequence[int] = (4, 8), chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set)
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set, warmup_steps)
 
 
 class GlobalRandKMaxNorm(MaxNormCompressor):
@@ -261,10 +274,10 @@ class GlobalRandKMaxNorm(MaxNormCompressor):
 
     def __init__(self, k: int | None = None, ratio: float | None = None, bits: int = 8,
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
         super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), selector, error_feedback, seed),
-                         process_set)
+                         process_set, warmup_steps)
 
 
 class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
@@ -272,10 +285,10 @@ class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
 
     def __init__(self, k: int | None = None, ratio: float | None = None, bits: Sequence[int] = (4, 8),
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
         super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), selector, error_feedback, seed),
-                         process_set)
+                         process_set, warmup_steps)
 
 
 def bucket_codec(compression: Any) -> BucketCodec:

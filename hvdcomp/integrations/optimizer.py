@@ -13,9 +13,9 @@ Max-norm compressors exchange one small MAX vector (per-tensor scales) per bucke
 levels as one int64 SUM; results are decoded to the mean (``op=hvd.Average``) or the sum (``op=hvd.Sum``).
 
 With ``hierarchical=True`` the bucket is summed at full precision inside each node and only the
-compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``transport`` may be an
-``MPITransport`` (mpi4py) instead of Horovod. Horovod's own ``HOROVOD_HIERARCHICAL_ALLREDUCE`` affects
-only NCCL builds; it is passed through untouched and a warning says when it cannot take effect.
+compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``hierarchical=None`` follows
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` (``launch``). ``transport`` may be an ``MPITransport``
+(mpi4py) instead of Horovod. ``warmup_steps``: the first steps exchange exact float32 means (``warmup``).
 
 Collective names carry a prefix from the optimizer's parameter names and its ordinal among optimizers
 over the same names in this process, so several optimizers (a backbone's and a head's) can exchange
@@ -45,15 +45,16 @@ from ..exchange.stats import Statistics
 from ..transport.horovod import HorovodTransport
 from .buckets import Bucket, check_groups, collective_prefix, parameter_names, plan_buckets
 from .compressors import bucket_codec
+from .launch import check_hierarchical, resolve_hierarchical
 from .parity import (
     STEP_AFTER_SYNCHRONIZE,
     attach_weak_hooks,
     called_by_broadcast_optimizer_state,
     claim_codec,
     remove_hooks,
-    warn_about_horovod_hierarchy,
 )
 from .resume import agree_on_state, exchange_state, load_exchange_state
+from .warmup import WARMUP_CODEC, resolve_warmup
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -72,8 +73,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: hvd.ProcessSet,
         bucket_size_mb: float,
-        hierarchical: bool,
+        hierarchical: bool | None,
         transport: Transport | None,
+        warmup_steps: int | None,
     ) -> None:
         super(self.__class__, self).__init__(params)
         self._parameter_names = parameter_names(named_parameters, self.param_groups)
@@ -94,7 +96,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = bool(sparse_as_dense)
         self._warned_sparse = False
         self._sparse: dict[torch.nn.Parameter, Any] = {}  # Horovod's sparse all-reduces in flight
-        self._hierarchical = hierarchical
+        self._hierarchical = resolve_hierarchical(hierarchical, default=False)
+        self._warmup_steps = resolve_warmup(warmup_steps, compression)
         self._synchronized = False
         self._should_synchronize = True
         self._fresh_step = True
@@ -114,11 +117,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         self._codec = claim_codec(bucket_codec(compression), self)
         self._codec.bind_rank(self._transport.rank)
-        if hierarchical and not (self._transport.equal_nodes and self._transport.local_size
-                                 * self._transport.cross_size == self._transport.size):
-            raise ValueError("hierarchical=True needs the same number of workers on every node, the nodes covering "
-                             "all workers of the exchange (the global process set); pass hierarchical=False")
-        warn_about_horovod_hierarchy(hvd.nccl_built())
+        if self._hierarchical:
+            check_hierarchical(self._transport)
         self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._counts = {p: 0 for p in trainable}
@@ -183,23 +183,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         t = self._transport
         key, step = f"bucket{bucket.index}", self._exchange_step
         grads = [self._dense_grad(p) for p in bucket.params]
-        if isinstance(self._codec, ElementwiseCodec):
+        codec = self._codec if step >= self._warmup_steps else WARMUP_CODEC
+        if isinstance(codec, ElementwiseCodec):
             for grad, piece in zip(grads, bucket.buffer.split(bucket.sizes)):
                 piece.copy_(grad.reshape(-1)) if grad is not None else piece.zero_()
             if self._hierarchical:
                 def shard(x: torch.Tensor, segments: list[int], shard_key: object, size: int) -> Exchange:
-                    return self._codec.exchange(x, segments, shard_key, step, size)
+                    return codec.exchange(x, segments, shard_key, step, size)
 
                 return hierarchical_elementwise(shard, bucket.buffer, bucket.sizes, key, t.local_size, t.local_rank,
                                                 t.cross_size)
-            return self._codec.exchange(bucket.buffer, bucket.sizes, key, step, t.size)
+            return codec.exchange(bucket.buffer, bucket.sizes, key, step, t.size)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
         if self._hierarchical:
             def tensors(xs: list[torch.Tensor], shard_key: object, size: int) -> Exchange:
-                return self._codec.exchange(xs, shard_key, step, size)
+                return codec.exchange(xs, shard_key, step, size)
 
             return hierarchical_tensors(tensors, grads, key, t.local_size, t.local_rank, t.cross_size)
-        return self._codec.exchange(grads, key, step, t.size)
+        return codec.exchange(grads, key, step, t.size)
 
     def _launch(self, bucket: Bucket) -> None:
         if self._fresh_step:
@@ -340,8 +341,9 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     sparse_as_dense: bool = False,
     process_set: hvd.ProcessSet = hvd.global_process_set,
     bucket_size_mb: float = DEFAULT_BUCKET_MB,
-    hierarchical: bool = False,
+    hierarchical: bool | None = None,
     transport: Transport | None = None,
+    warmup_steps: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the mean (``op=hvd.Average``) or sum (``op=hvd.Sum``)
     over the workers of their compressed gradients. The arguments up to ``process_set`` are Horovod's,
@@ -357,9 +359,12 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
             come back sparse); ``False``: they are reduced as Horovod reduces them (its sparse
             all-reduce, uncompressed; over ``MPITransport``, dense with a warning).
         bucket_size_mb: gradients per bucket; each bucket is exchanged as soon as it is complete.
-        hierarchical: full precision inside nodes, the compressed payload only between nodes.
+        hierarchical: full precision inside nodes, the compressed payload only between nodes; ``None``:
+            as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says (``horovodrun --hierarchical-allreduce``), else off.
         transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
             ``process_set``.
+        warmup_steps: the first ``warmup_steps`` steps exchange exact float32 means, the codec untouched;
+            ``None``: the compressor's own ``warmup_steps`` if it has one, else 0.
 
     ``close()`` (or a ``with`` block) detaches the optimizer from the parameters' gradient hooks.
     """
@@ -367,4 +372,4 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, bucket_size_mb,
-               hierarchical, transport)
+               hierarchical, transport, warmup_steps)

@@ -1,11 +1,9 @@
 """What the entry points need to behave like Horovod's own optimizers: its warning text, its
-``broadcast_optimizer_state`` protocol, its hierarchical setting, and gradient hooks that let go."""
+``broadcast_optimizer_state`` protocol, and gradient hooks that let go."""
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 import weakref
 from typing import Any
 
@@ -34,13 +32,6 @@ def called_by_broadcast_optimizer_state() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def warn_about_horovod_hierarchy(nccl_built: bool) -> None:
-    """Warn that ``HOROVOD_HIERARCHICAL_ALLREDUCE`` has no effect on a build without NCCL."""
-    if os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("", "0") and not nccl_built:
-        warnings.warn("HOROVOD_HIERARCHICAL_ALLREDUCE takes effect only on NCCL (GPU) builds of Horovod; this "
-                      "build has no NCCL, so it is ignored. Use hvdcomp's hierarchical=True instead.", stacklevel=4)
 
 
 def attach_weak_hooks(optimizer: Any, params: list[torch.nn.Parameter]) -> list[Any]:
