@@ -159,3 +159,71 @@ def test_warmup_steps_are_exact_then_compressed():
             assert not torch.equal(params[WARMUP], expected[WARMUP]), (rank, label)
             assert ratios[WARMUP] > 1.5 and ratios[-1] > 1.5, (rank, label, ratios)
             assert codec_states[WARMUP] != codec_states[0], (rank, label)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. resume at another world size: saved by 2 workers, loaded into 3
+# --------------------------------------------------------------------------------------------------
+
+
+def _optimizers():
+    """A model with hvdcomp's optimizer (error-feedback memory, SGD momentum) and one with Birder."""
+    import hvdcomp
+
+    model, birder_model = _model(), _model()
+    optimizer = hvdcomp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters(),
+        compression=hvdcomp.GlobalRandKMaxNorm(ratio=0.3, bits=4), bucket_size_mb=0.001)
+    return model, optimizer, birder_model, hvdcomp.Birder(birder_model.parameters(), lr=0.002)
+
+
+def _save_worker(path, steps):
+    import horovod.torch as hvd
+
+    model, optimizer, birder_model, birder = _optimizers()
+    for step in range(steps):
+        _step(model, optimizer, hvd.rank(), step)
+        _step(birder_model, birder, hvd.rank(), step)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "birder_model": birder_model.state_dict(), "birder": birder.state_dict()}, f"{path}.rank{hvd.rank()}")
+
+
+def _resume_elsewhere_worker(path, saved_size, first_step):
+    import warnings
+
+    import horovod.torch as hvd
+
+    model, optimizer, birder_model, birder = _optimizers()
+    state = torch.load(f"{path}.rank{hvd.rank() % saved_size}", weights_only=False)  # any worker's checkpoint
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        birder_model.load_state_dict(state["birder_model"])
+        birder.load_state_dict(state["birder"])
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    saved_momentum = list(state["optimizer"]["state"][i]["momentum_buffer"] for i in range(len(momentum)))
+    kept = {"momentum": all(torch.equal(a, b) for a, b in zip(momentum, saved_momentum)),
+            "exchange_step": optimizer._exchange_step == state["optimizer"]["hvdcomp"]["exchange_step"],
+            "memory_reset": optimizer._codec.memory.state_dict()["residuals"] == {},
+            "birder_m": torch.equal(birder._m, state["birder"]["birder"]["m"]), "birder_step": birder._step}
+    losses = [(_step(model, optimizer, hvd.rank(), step), _step(birder_model, birder, hvd.rank(), step))
+              for step in range(first_step, first_step + 6)]
+    params = torch.cat([p.detach().reshape(-1) for p in [*model.parameters(), *birder_model.parameters()]])
+    return {"warnings": [str(w.message) for w in caught], "kept": kept, "losses": losses, "params": params}
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size(tmp_path):
+    path = str(tmp_path / "checkpoint")
+    run_function(_save_worker, np=2, kwargs={"path": path, "steps": 3}, timeout=TIMEOUT)
+    results = run_function(_resume_elsewhere_worker, np=3, kwargs={"path": path, "saved_size": 2, "first_step": 3},
+                           timeout=TIMEOUT)
+    for rank, out in enumerate(results):
+        assert out["kept"] == {"momentum": True, "exchange_step": True, "memory_reset": True, "birder_m": True,
+                               "birder_step": 3}, (rank, out["kept"])
+        messages = out["warnings"]
+        assert len(messages) == 2, (rank, messages)  # one per optimizer, nothing about "another rank's state"
+        assert all("saved by 2 workers" in m and "loaded into 3" in m for m in messages), (rank, messages)
+        assert torch.equal(out["params"], results[0]["params"]), rank  # the replicas stay identical
+        assert bool(torch.isfinite(torch.tensor(out["losses"])).all()), out["losses"]

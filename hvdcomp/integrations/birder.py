@@ -66,7 +66,7 @@ from ..exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
-from .birder_state import birder_state, load_birder_state
+from .birder_state import birder_state, load_birder_state, resync_birder
 from .launch import resolve_hierarchical
 from .parity import called_by_broadcast_optimizer_state
 
@@ -254,9 +254,10 @@ class Birder(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Birder step over the transport (every worker must call it); returns ``closure()``'s loss.
-        Nothing happens when ``hvd.broadcast_optimizer_state`` calls it (Birder's state needs no first step)."""
+        Called by ``hvd.broadcast_optimizer_state``: no step (Birder's state needs no first step); under Horovod
+        elastic's re-synchronisation, the workers' states are agreed (``birder_state.resync_birder``)."""
         if called_by_broadcast_optimizer_state():
-            return None
+            return resync_birder(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -9,7 +9,7 @@ of each node's workers and of the workers sharing a local rank. Which ranks shar
 after ``hvd.init``, while static process sets must be listed, identically on every rank, before it:
 so ``hvdcomp.init()`` starts Horovod with dynamic process sets (``hvd.init(process_sets="dynamic")``,
 which also keeps them enabled across the re-initialisations of elastic training) and hvdcomp
-registers the node sets, on every worker alike, when the first hierarchical optimizer is built.
+registers the node sets, on every worker alike, at the first hierarchical exchange.
 """
 
 from __future__ import annotations
@@ -49,15 +49,15 @@ def resolve_hierarchical(hierarchical: bool | None, default: bool) -> bool:
 
 
 def check_hierarchical(transport: Any) -> None:
-    """Refuse a hierarchical exchange over ``transport`` where it cannot run (on every worker alike), and over
-    Horovod register its node process sets now (collective: every worker builds its optimizer in turn)."""
+    """Refuse a hierarchical exchange over ``transport`` where it cannot run, on every worker alike (over
+    Horovod: nodes of different sizes, or no dynamic process sets)."""
     if not (transport.equal_nodes and transport.local_size * transport.cross_size == transport.size):
         raise ValueError("hierarchical=True needs the same number of workers on every node, the nodes covering "
                          "all workers of the exchange (the global process set); pass hierarchical=False"
                          f"{_SETTING_HINT if horovod_hierarchical() else ''}")
-    register = getattr(transport, "hierarchy_process_sets", None)  # HorovodTransport's
-    if register is not None:
-        register()
+    check = getattr(transport, "check_hierarchy", None)  # HorovodTransport's
+    if check is not None:
+        check()
 
 
 _SETTING_HINT = f" ({HIERARCHICAL_SETTING} is set: hierarchical=None follows it)"

@@ -23,7 +23,8 @@ in one step. ``close()`` (or leaving a ``with`` block, or dropping the optimizer
 hooks. On a rank outside ``process_set`` the optimizer is the wrapped one, as in Horovod.
 
 ``optimizer.stats`` (``hvdcomp.exchange.stats.Statistics``) holds bytes and seconds per step and in
-total. ``state_dict()`` carries the codec's state.
+total. ``state_dict()`` carries the codec's state; loading it at another world size, or Horovod elastic
+re-synchronising after a membership change, resets the codec state only (``resume``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from .parity import (
     claim_codec,
     remove_hooks,
 )
-from .resume import agree_on_state, exchange_state, load_exchange_state
+from .resume import agree_on_state, exchange_state, load_exchange_state, remember_fresh_codec
 from .warmup import WARMUP_CODEC, resolve_warmup
 
 DEFAULT_BUCKET_MB = 25.0
@@ -106,7 +107,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._codec = None
         self.stats = Statistics()
-        self._agreed = False
+        self._agreed = self._resync = False
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         # On every rank, inside the process set or not, so that the names agree everywhere.
         self._prefix = collective_prefix([self._parameter_names[p] for p in trainable],
@@ -117,6 +118,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         self._codec = claim_codec(bucket_codec(compression), self)
         self._codec.bind_rank(self._transport.rank)
+        remember_fresh_codec(self)
         if self._hierarchical:
             check_hierarchical(self._transport)
         self._buckets = plan_buckets(trainable, bucket_size_mb, groups)

@@ -8,6 +8,7 @@ dynamic process sets, ``hvdcomp.init()`` or ``hvd.init(process_sets="dynamic")``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import horovod.torch as hvd
@@ -88,15 +89,21 @@ class HorovodTransport:
             return self.process_set
         if self.process_set is not hvd.global_process_set and self.process_set.size() != hvd.size():
             raise ValueError("hierarchical exchanges run over all workers, not a smaller process set")
-        self.hierarchy_process_sets()
-        return self._local if op.scope is Scope.NODE else self._cross
-
-    def hierarchy_process_sets(self) -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
-        """This worker's (node, cross-node) process sets, registered on every worker at the first call
-        (collective); ``RuntimeError`` naming the change to make where Horovod lacks dynamic process sets."""
         if self._local is None:
             self._local, self._cross = _hierarchy_process_sets()
-        return self._local, self._cross
+        return self._local if op.scope is Scope.NODE else self._cross
+
+    def check_hierarchy(self) -> None:
+        """``RuntimeError`` naming the change to make where Horovod runs without dynamic process sets
+        (read from the environment that ``hvd.init`` read: the same on every worker, no collective)."""
+        if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip() in ("", "0") and self.size > 1:
+            raise RuntimeError(_DYNAMIC_SETS_NEEDED)
+
+    def forget_topology(self) -> None:
+        """After Horovod is initialised again (elastic training): node sizes and process sets are read
+        and registered anew at their next use."""
+        self._local = self._cross = self._equal_nodes = None
+        _HIERARCHY_SETS.clear()
 
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any:
         """Start a collective; ``name`` must be the same on every worker when several are in flight
