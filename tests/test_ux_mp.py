@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tests.harness import run_function
+from tests.harness import run_elastic, run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
 TIMEOUT = 240
@@ -20,7 +20,7 @@ def _step(model, optimizer, rank, step):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 12, generator=gen)
     optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), torch.sin(x.sum(1, keepdim=True)))
+    loss = torch.nn.functional.mse_loss(model(x), x @ torch.linspace(-0.3, 0.3, 12).unsqueeze(1))
     loss.backward()
     optimizer.step()
     return loss.item()
@@ -166,15 +166,15 @@ def test_warmup_steps_are_exact_then_compressed():
 # --------------------------------------------------------------------------------------------------
 
 
-def _optimizers():
+def _optimizers(**birder_options):
     """A model with hvdcomp's optimizer (error-feedback memory, SGD momentum) and one with Birder."""
     import hvdcomp
 
     model, birder_model = _model(), _model()
     optimizer = hvdcomp.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), named_parameters=model.named_parameters(),
         compression=hvdcomp.GlobalRandKMaxNorm(ratio=0.3, bits=4), bucket_size_mb=0.001)
-    return model, optimizer, birder_model, hvdcomp.Birder(birder_model.parameters(), lr=0.002)
+    return model, optimizer, birder_model, hvdcomp.Birder(birder_model.parameters(), lr=0.01, **birder_options)
 
 
 def _save_worker(path, steps):
@@ -227,3 +227,57 @@ def test_resume_at_another_world_size(tmp_path):
         assert all("saved by 2 workers" in m and "loaded into 3" in m for m in messages), (rank, messages)
         assert torch.equal(out["params"], results[0]["params"]), rank  # the replicas stay identical
         assert bool(torch.isfinite(torch.tensor(out["losses"])).all()), out["losses"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Horovod elastic: 3 workers, one dies, training goes on with 2
+# --------------------------------------------------------------------------------------------------
+
+ELASTIC_STEPS, KILL_AT = 14, 5
+
+
+def _elastic_worker(marker):
+    """Both optimizers under one TorchState; the worker on 127.0.0.1 dies at step KILL_AT after telling
+    the discovery script to drop its host. Returns the world sizes and mean losses of every step."""
+    import os
+
+    import horovod.torch as hvd
+
+    model, optimizer, birder_model, birder = _optimizers(hierarchical=False)  # the nodes are 2 + 1 workers
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, birder_model=birder_model, birder=birder,
+                                   step=0, sizes=[], losses=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < ELASTIC_STEPS:
+            if state.step == KILL_AT and hvd.size() == 3 and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
+                with open(marker, "w") as f:
+                    f.write("gone")
+                os._exit(1)
+            losses = [_step(model, optimizer, hvd.rank(), state.step), _step(birder_model, birder, hvd.rank(),
+                                                                              state.step)]
+            mean = hvd.allreduce(torch.tensor(losses), name=f"loss.{state.step}").tolist()
+            state.sizes.append(hvd.size())
+            state.losses.append(mean)
+            state.step += 1
+            state.commit()
+
+    train(state)
+    params = torch.cat([p.detach().reshape(-1) for p in [*model.parameters(), *birder_model.parameters()]])
+    return {"sizes": state.sizes, "losses": state.losses, "params": params}
+
+
+@pytest.mark.slow
+def test_elastic_three_workers_to_two(tmp_path):
+    marker = tmp_path / "gone"
+    discovery = f'echo localhost:2\nif [ ! -e "{marker}" ]; then echo 127.0.0.1:1; fi\n'
+    results, output = run_elastic(_elastic_worker, np=3, min_np=2, discovery_script=discovery,
+                                  kwargs={"marker": str(marker)}, timeout=2 * TIMEOUT)
+    assert len(results) == 2, output
+    for out in results:
+        assert out["sizes"][:KILL_AT] == [3] * KILL_AT and out["sizes"][KILL_AT:] == [2] * (ELASTIC_STEPS - KILL_AT)
+        assert torch.equal(out["params"], results[0]["params"])  # the replicas stay identical
+        losses = torch.tensor(out["losses"])  # [step, optimizer]
+        assert bool((losses[-3:].mean(0) < losses[:3].mean(0)).all()), out["losses"]  # still learning
+        assert bool((losses[KILL_AT + 3:].mean(0) < losses[KILL_AT:KILL_AT + 3].mean(0)).all()), out["losses"]
+    assert output.count("workers changed (elastic)") >= 1, output
