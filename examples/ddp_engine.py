@@ -22,8 +22,8 @@ import hvdcomp.ddp
 Sum, Average = "sum", "average"
 
 
-def init(process_sets: Any = None) -> None:
-    """Join torchrun's job (Gloo: the example trains on CPU); ``process_sets`` is Horovod's and unused."""
+def init() -> None:
+    """Join torchrun's job (Gloo: the example trains on CPU)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
 
@@ -52,7 +52,7 @@ def broadcast_parameters(state: dict[str, torch.Tensor], root_rank: int) -> None
         dist.broadcast(tensor, src=root_rank)
 
 
-def broadcast_object(obj: Any, root_rank: int) -> Any:
+def broadcast_object(obj: Any, root_rank: int, name: str | None = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=root_rank)
     return box[0]

@@ -53,7 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=1, help="powersgd: approximation rank")
     p.add_argument("--error-feedback", action="store_true", help="fp16 error feedback; randk: on by default")
     p.add_argument("--no-error-feedback", action="store_true", help="randk: rescale by numel/k instead")
-    p.add_argument("--hierarchical", action="store_true", help="full precision inside nodes, compressed between")
+    p.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=None,
+                   help="full precision inside nodes, compressed between; default: as horovodrun "
+                        "--hierarchical-allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE) says (Birder: on)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="exchange uncompressed for the first steps")
+    p.add_argument("--elastic", action="store_true",
+                   help="Horovod elastic training (horovodrun --min-np/--host-discovery-script); commits every step")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--epochs", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=128, help="per worker")
@@ -79,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.engine == "ddp" and (args.elastic or args.warmup_steps):
+        parser.error("--elastic and --warmup-steps are for --engine horovod")
     multiscale = args.scheme.endswith("multiscale")
     if args.bits is None:
         args.bits = [4, 8] if multiscale else [8]
@@ -101,6 +108,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--rank must be positive, got {args.rank}")
     if args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs and --batch-size must be positive")
+    if args.warmup_steps < 0 or (args.warmup_steps and args.scheme == "birder"):
+        parser.error("--warmup-steps must be >= 0, and Birder has no uncompressed warm-up")
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -166,7 +175,8 @@ def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.O
     if args.engine == "ddp":
         return sgd  # DDP's hook exchanges the gradients (main wraps the model)
     return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=build_compression(args),
-                                bucket_size_mb=args.bucket_mb, hierarchical=args.hierarchical)
+                                bucket_size_mb=args.bucket_mb, hierarchical=args.hierarchical,
+                                warmup_steps=args.warmup_steps)
 
 
 def lr_lambda(args: argparse.Namespace, steps_per_epoch: int):
@@ -227,6 +237,18 @@ def average_buffers(model: nn.Module) -> None:
             buffer.copy_(hvd.allreduce(buffer, op=hvd.Average, name=f"buffer.{name}"))
 
 
+def load_checkpoint(prefix: str) -> dict[str, Any]:
+    """This worker's checkpoint ``PREFIX.rank<N>``; at another world size W than it was saved with, worker
+    ``rank % W``'s (hvdcomp keeps the model and optimizer state and starts the per-worker codec state
+    afresh, with a warning)."""
+    rank = hvd.rank()
+    state = torch.load(f"{prefix}.rank0", weights_only=False) if rank == 0 else None
+    saved_size = hvd.broadcast_object(state["world_size"] if state else None, root_rank=0, name="checkpoint.size")
+    if state is None:
+        state = torch.load(f"{prefix}.rank{rank % saved_size}", weights_only=False)
+    return state
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.engine == "ddp":
@@ -234,17 +256,21 @@ def main(argv: list[str] | None = None) -> None:
 
         global hvd
         hvd = ddp_engine  # the few horovod.torch calls of this script, over torch.distributed
-    hvd.init(process_sets="dynamic" if args.hierarchical else None)
+        hvd.init()
+    else:
+        hvdcomp.init()  # hvd.init with dynamic process sets, as hierarchical exchanges need
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    rank, size = hvd.rank(), hvd.size()
 
     train_set, test_set, channels = load_data(args)
-    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
+    if args.elastic:  # follows the workers as they come and go
+        sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
+    else:
+        sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     steps_per_epoch = min(len(loader), args.max_steps_per_epoch or len(loader))
     if steps_per_epoch == 0:
-        raise SystemExit(f"--batch-size {args.batch_size} leaves no full batch of {len(train_set) // size} "
+        raise SystemExit(f"--batch-size {args.batch_size} leaves no full batch of {len(train_set) // hvd.size()} "
                          "examples per worker")
     model = MODELS[args.model](num_classes=10, in_channels=channels)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -254,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch))
     start_epoch = 0
     if args.resume:
-        state = torch.load(f"{args.resume}.rank{rank}", weights_only=False)
+        state = load_checkpoint(args.resume)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if exchange is not optimizer:
@@ -266,38 +292,52 @@ def main(argv: list[str] | None = None) -> None:
     numel = sum(p.numel() for p in model.parameters())
     meter = Meter(exchange)
 
-    log = None
-    if rank == 0:
-        run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}-np{size}"
-        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        log = open(Path(args.log_dir) / f"{run_name}.jsonl", "a" if args.resume else "w", encoding="utf-8")
-        if not args.resume:
-            config = dict(vars(args), world_size=size, local_size=hvd.local_size(), parameters=numel,
-                          steps_per_epoch=steps_per_epoch, torch=torch.__version__, horovod=horovod.__version__)
-            log.write(json.dumps({"type": "config", **config}) + "\n")
+    run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}-np{hvd.size()}"
+    log_path = Path(args.log_dir) / f"{run_name}.jsonl"
+    if hvd.rank() == 0 and not args.resume:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        config = dict(vars(args), world_size=hvd.size(), local_size=hvd.local_size(), parameters=numel,
+                      steps_per_epoch=steps_per_epoch, torch=torch.__version__, horovod=horovod.__version__)
+        log_path.write_text(json.dumps({"type": "config", **config}) + "\n", encoding="utf-8")
     started = time.time()
     loss_fn = nn.CrossEntropyLoss()
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
-        meter.reset()
-        epoch_start = time.perf_counter()
-        train_loss = torch.zeros(2, dtype=torch.float64)
-        batches = iter(loader)
-        progress = range(steps_per_epoch)
-        if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
 
-            progress = tqdm(progress, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False)
-        for _ in progress:
-            x, y = next(batches)
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            meter.after_step()
+    def train(state: Any) -> None:
+        """The epochs from ``state.epoch`` on; under ``--elastic``, ``hvd.elastic.run`` runs it again from the
+        last commit after each change of workers (``state`` then also holds ``step``, the global step)."""
+        if args.elastic:  # the learning rate of the committed step (schedules do not travel with the state)
+            schedule.last_epoch = state.step - 1
             schedule.step()
-            train_loss += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-        epoch_seconds = time.perf_counter() - epoch_start
+        for epoch in range(state.epoch, args.epochs):
+            state.epoch = epoch
+            if not args.elastic or sampler.epoch != epoch:  # an elastic sampler resumes within its epoch
+                sampler.set_epoch(epoch)
+            meter.reset()
+            epoch_start = time.perf_counter()
+            train_loss = torch.zeros(2, dtype=torch.float64)
+            progress = range(min(len(loader), args.max_steps_per_epoch or len(loader)))
+            if hvd.rank() == 0 and not args.no_progress:
+                from tqdm import tqdm
+
+                progress = tqdm(progress, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False)
+            for index, (x, y) in zip(progress, loader):
+                optimizer.zero_grad()
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                meter.after_step()
+                schedule.step()
+                train_loss += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+                if args.elastic:
+                    sampler.record_batch(index, args.batch_size)
+                    state.step += 1
+                    state.commit()
+            finish_epoch(epoch, time.perf_counter() - epoch_start, train_loss)
+            if args.stop_after_epoch is not None and epoch + 1 >= args.stop_after_epoch:
+                break
+
+    def finish_epoch(epoch: int, epoch_seconds: float, train_loss: torch.Tensor) -> None:
+        """Evaluate, log (rank 0) and checkpoint (every worker) the epoch."""
         average_buffers(model)
         metrics = evaluate(model, test_set, 512)
         train_sum, train_count = hvd.allreduce(train_loss, op=hvd.Sum).tolist()
@@ -309,13 +349,13 @@ def main(argv: list[str] | None = None) -> None:
             "communicate_s": v["communicate_s"], "compress_s": v["compress_s"],
             "intra_node_bytes": v["intra_node_bytes"], "inter_node_bytes": v["inter_node_bytes"],
             "uncompressed_bytes": v["uncompressed_bytes"],
-            "compression_ratio": v["uncompressed_bytes"] / max(1, v["inter_node_bytes"]),
+            "compression_ratio": v["uncompressed_bytes"] / max(1, v["inter_node_bytes"]), "world_size": hvd.size(),
         }
         if not math.isfinite(record["train_loss"]):
             raise SystemExit(f"training diverged at epoch {epoch + 1} (loss {record['train_loss']})")
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+        if hvd.rank() == 0:
+            with open(log_path, "a", encoding="utf-8") as log:
+                log.write(json.dumps(record) + "\n")
             sent_mib = v["inter_node_bytes"] / 2**20
             print(f"epoch {epoch + 1}: train loss {record['train_loss']:.4f}  test loss {metrics['test_loss']:.4f}  "
                   f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  sent {sent_mib:.2f} MiB "
@@ -323,12 +363,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.checkpoint:
             hook = exchange.state_dict() if exchange is not optimizer else None  # the DDP hook's codec state
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "exchange": hook,
-                        "schedule": schedule.state_dict(), "epoch": epoch, "args": vars(args)},
-                       f"{args.checkpoint}.rank{rank}")
-        if args.stop_after_epoch is not None and epoch + 1 >= args.stop_after_epoch:
-            break
-    if log is not None:
-        log.close()
+                        "schedule": schedule.state_dict(), "epoch": epoch, "world_size": hvd.size(),
+                        "args": vars(args)}, f"{args.checkpoint}.rank{hvd.rank()}")
+
+    if args.elastic:
+        hvd.elastic.run(train)(hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
+                                                      epoch=start_epoch, step=start_epoch * steps_per_epoch))
+    else:
+        train(argparse.Namespace(epoch=start_epoch))
 
 
 if __name__ == "__main__":

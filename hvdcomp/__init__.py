@@ -8,7 +8,8 @@ Layers, each depending only on those below it:
   simulator, hierarchical routing, the 1-bit exchanges, the cost model and the statistics type;
 - ``hvdcomp.transport``: Horovod, MPI and torch.distributed carry the requests out;
 - ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer``, ``Birder`` and the
-  PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp`` needs no Horovod).
+  PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp`` needs no Horovod); ``hvdcomp.init()``
+  starts Horovod as hierarchical exchanges need it.
 
 The public names below load their layer on first use, so ``import hvdcomp.codec`` (or
 ``hvdcomp.exchange``) needs neither Horovod nor mpi4py.
@@ -38,6 +39,7 @@ _HOMES = {
     "QSGDMaxNormMultiScale": ".integrations.compressors",
     "DistributedOptimizer": ".integrations.optimizer",
     "Birder": ".integrations.birder",
+    "init": ".integrations.launch",
 }
 
 __all__ = sorted(_HOMES)

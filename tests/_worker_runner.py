@@ -1,7 +1,8 @@
 """Worker entry point started by ``tests/harness.py`` under horovodrun or mpirun (not a test module).
 
-``python _worker_runner.py JOBDIR``: load ``(fn, kwargs, init_kwargs, source_file)`` from ``JOBDIR/payload.pkl``,
-call ``hvd.init(**init_kwargs)`` and ``fn(**kwargs)``, write the result to ``JOBDIR/result.<rank>.pkl``.
+``python _worker_runner.py JOBDIR``: load ``(fn, kwargs, init_kwargs, init, source_file)`` from
+``JOBDIR/payload.pkl``, call ``hvd.init(**init_kwargs)`` (``hvdcomp.init`` if ``init`` is ``"hvdcomp"``) and
+``fn(**kwargs)``, write the result to ``JOBDIR/result.<rank>.pkl``.
 
 ``python _worker_runner.py JOBDIR SCRIPT [ARGS...]``: run SCRIPT as ``__main__`` with ``sys.argv``
 ``[SCRIPT, *ARGS]`` (the script calls ``hvd.init()`` itself).
@@ -30,10 +31,15 @@ def _launcher_rank() -> str:
 def _run_function(jobdir: Path) -> None:
     import horovod.torch as hvd
 
-    fn, kwargs, init_kwargs, source = cloudpickle.loads((jobdir / "payload.pkl").read_bytes())
+    fn, kwargs, init_kwargs, init, source = cloudpickle.loads((jobdir / "payload.pkl").read_bytes())
     if source:  # cloudpickle names by-value code "<dynamic-code>"; let tracebacks show fn's module source
         linecache.cache["<dynamic-code>"] = (None, None, Path(source).read_text().splitlines(True), source)
-    hvd.init(**init_kwargs)
+    if init == "hvdcomp":
+        import hvdcomp
+
+        hvdcomp.init(**init_kwargs)
+    else:
+        hvd.init(**init_kwargs)
     result = cloudpickle.dumps(fn(**kwargs))
     tmp = jobdir / f".result.{hvd.rank()}.pkl"
     tmp.write_bytes(result)

@@ -2,9 +2,10 @@
 
 ``run_function`` ships a function by value (cloudpickle) to N workers started by a launcher, calls
 ``hvd.init(**init_kwargs)`` then ``fn(**kwargs)`` in each, and returns the per-rank results ordered by
-``hvd.rank()``. ``run_script`` runs a standalone script under the same launchers. Both raise
-``AssertionError`` on any failure (non-zero exit, timeout, a rank raising, a missing result), showing
-every rank's traceback and the tail of the launcher's combined stdout/stderr.
+``hvd.rank()``; ``run_elastic`` does the same for a Horovod elastic job (host discovery script).
+``run_script`` runs a standalone script under the same launchers. All raise ``AssertionError`` on any
+failure (non-zero exit, timeout, a rank raising, a missing result), showing every rank's traceback and
+the tail of the launcher's combined stdout/stderr.
 
 Launchers:
 
@@ -49,30 +50,66 @@ def run_function(
     timeout: float = 120,
     env: dict[str, str] | None = None,
     init_kwargs: dict[str, Any] | None = None,
+    init: str = "horovod",
 ) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``np`` Horovod workers; return the results ordered by ``hvd.rank()``.
 
-    ``init_kwargs`` go to ``hvd.init`` (e.g. ``{"process_sets": "dynamic"}``). Results travel back
+    ``init_kwargs`` go to ``hvd.init`` (e.g. ``{"process_sets": "dynamic"}``), or to ``hvdcomp.init`` with
+    ``init="hvdcomp"``. Results travel back
     through pickle files, so tensors compare exactly; return plain data and tensors, not instances of
     classes defined in the test module (those come back as copies of a by-value class).
     """
+    if init not in ("horovod", "hvdcomp"):
+        raise ValueError(f"init must be 'horovod' or 'hvdcomp', got {init!r}")
+    with tempfile.TemporaryDirectory(prefix="hvdcomp-harness-") as tmp:
+        cmd = _launcher_command(launcher, np, hosts)
+        return _run_payload(fn, kwargs, init_kwargs, init, cmd, Path(tmp), timeout, env, expected=np)[0]
+
+
+def _run_payload(fn: Callable[..., Any], kwargs: dict[str, Any] | None, init_kwargs: dict[str, Any] | None, init: str,
+                 launcher_cmd: list[str], jobdir: Path, timeout: float, env: dict[str, str] | None,
+                 expected: int | None) -> tuple[list[Any], str]:
+    """Ship ``fn`` to the workers ``launcher_cmd`` starts; return (results by rank, launcher output). Every
+    rank below ``expected`` (or below the number of results, if None) must have returned one."""
+    source = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    source = source if source and os.path.isfile(source) else None
+    payload = (fn, kwargs or {}, init_kwargs or {}, init, source)
+    (jobdir / "payload.pkl").write_bytes(_dumps_by_value(fn, payload))
+    cmd = launcher_cmd + [sys.executable, str(RUNNER), str(jobdir)]
+    returncode, output = _launch(cmd, jobdir, timeout, env)
+    results = {int(p.name.split(".")[1]): p for p in jobdir.glob("result.*.pkl")}
+    missing = sorted(set(range(len(results) if expected is None else expected)) - set(results))
+    what = f"run_function({getattr(fn, '__qualname__', fn)!r}{f' from {source}' if source else ''})"
+    _check(what, cmd, returncode, timeout, output, jobdir, missing)
+    values = []
+    for rank in sorted(results):
+        with open(results[rank], "rb") as f:
+            values.append(pickle.load(f))
+    return values, output
+
+
+def run_elastic(
+    fn: Callable[..., Any],
+    np: int,
+    min_np: int,
+    discovery_script: str,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> tuple[list[Any], str]:
+    """Run ``fn(**kwargs)`` as a Horovod elastic job: ``horovodrun --gloo -np np --min-np min_np
+    --host-discovery-script S``, ``S`` a bash script with the body ``discovery_script`` (it prints
+    ``host:slots`` lines and may read files the workers write). ``fn`` runs after ``hvd.init()`` and
+    drives ``hvd.elastic.run`` itself. Returns the results of the workers that finished, ordered by their
+    final ``hvd.rank()``, and the launcher's output."""
     with tempfile.TemporaryDirectory(prefix="hvdcomp-harness-") as tmp:
         jobdir = Path(tmp)
-        source = getattr(getattr(fn, "__code__", None), "co_filename", None)
-        source = source if source and os.path.isfile(source) else None
-        payload = (fn, kwargs or {}, init_kwargs or {}, source)
-        (jobdir / "payload.pkl").write_bytes(_dumps_by_value(fn, payload))
-        cmd = _launcher_command(launcher, np, hosts) + [sys.executable, str(RUNNER), str(jobdir)]
-        returncode, output = _launch(cmd, jobdir, timeout, env)
-        results = {int(p.name.split(".")[1]): p for p in jobdir.glob("result.*.pkl")}
-        missing = sorted(set(range(np)) - set(results))
-        what = f"run_function({getattr(fn, '__qualname__', fn)!r}{f' from {source}' if source else ''})"
-        _check(what, cmd, returncode, timeout, output, jobdir, missing)
-        values = []
-        for rank in range(np):
-            with open(results[rank], "rb") as f:
-                values.append(pickle.load(f))
-        return values
+        script = jobdir / "discover.sh"
+        script.write_text("#!/bin/bash\n" + discovery_script)
+        script.chmod(0o755)
+        cmd = _launcher_command("gloo", np, None)
+        cmd += ["--min-np", str(min_np), "--host-discovery-script", str(script)]
+        return _run_payload(fn, kwargs, {}, "horovod", cmd, jobdir, timeout, env, expected=None)
 
 
 def run_script(

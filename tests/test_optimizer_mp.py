@@ -220,7 +220,6 @@ def test_resume_continues_exactly(tmp_path, name):
 
 
 def _misuse_worker():
-    import os
     import warnings
 
     import horovod.torch as hvd
@@ -264,8 +263,6 @@ def _misuse_worker():
         torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.zeros(4, 1)).backward()
         optimizer.synchronize()
         optimizer.step()  # forgot skip_synchronize(): warns like Horovod, and exchanges again like Horovod
-        os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
-        DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
     errors["warnings"] = [str(w.message) for w in caught]
     errors["exchanges"] = optimizer.stats.steps
     optimizer.zero_grad()
@@ -284,5 +281,5 @@ def test_misuse_is_refused_clearly():
     assert "unique" in rank0["duplicate names"] and "backward_passes_per_step" in rank0["passes"]
     assert "zero_grad" in rank0["zero_grad early"]
     messages = rank0["warnings"]
-    assert len(messages) == 2 and "skip_synchronize" in messages[0] and "NCCL" in messages[1], messages
+    assert len(messages) == 1 and "skip_synchronize" in messages[0], messages
     assert rank0["exchanges"] == 3

@@ -69,3 +69,10 @@ def test_clear_errors(tmp_path):
     ]:
         with pytest.raises(AssertionError, match=message):
             run_script(TRAIN, np=1, timeout=120, args=[*QUICK, *args, "--log-dir", str(tmp_path)])
+
+
+def test_warmup_steps_then_compressed(tmp_path):
+    run_script(TRAIN, np=2, timeout=180, args=[*QUICK, "--scheme", "qsgd", "--warmup-steps", "4", "--log-dir",
+                                                str(tmp_path), "--run-name", "run"])
+    _, (first, second) = _read(tmp_path / "run.jsonl")
+    assert first["compression_ratio"] == 1.0 and 2.5 <= second["compression_ratio"] <= 3.0, (first, second)

@@ -68,6 +68,8 @@ from ..exchange.onebit import one_bit_route, route_mean
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
+from .birder_state import birder_state, load_birder_state, resync_birder
+from .launch import resolve_hierarchical
 from .parity import called_by_broadcast_optimizer_state
 
 _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
@@ -117,9 +119,9 @@ class Birder(torch.optim.Optimizer):
         beta: decay of both moments, in (0, 1).
         weight_decay: decoupled weight decay ``lambda`` (>= 0): ``x <- x - lr (u_bar + lambda x)``.
         hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs equal nodes that cover all the
-            transport's workers, else every worker raises at the first step; over Horovod,
-            ``hvd.init(process_sets="dynamic")``). ``False``, a single node, or one worker per node uses
-            the exact 1-bit lane sum over all workers.
+            transport's workers, else every worker raises at the first step; over Horovod, ``hvdcomp.init()``).
+            ``False``, a single node, or one worker per node uses the exact 1-bit lane sum over all workers.
+            ``None``: as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says if it is set, else ``True``.
         inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
         exchange: ``"lanes"`` (as ``inter_node`` says), ``"two_stage"`` or ``"auto"`` (see the module docstring).
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
@@ -139,7 +141,7 @@ class Birder(torch.optim.Optimizer):
         lr: float,
         beta: float = 0.95,
         weight_decay: float = 0.0,
-        hierarchical: bool = True,
+        hierarchical: bool | None = None,
         inter_node: str = "auto",
         transport: Any = None,
         exchange: str = "lanes",
@@ -156,7 +158,7 @@ class Birder(torch.optim.Optimizer):
             raise ValueError("Birder: give a transport or a process_set, not both")
         self._layout: _Layout | None = None
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
-        self.hierarchical = bool(hierarchical)
+        self.hierarchical = resolve_hierarchical(hierarchical, default=True)
         self.inter_node, self.exchange = inter_node, exchange
         self.seed = seed
         self._transport = transport
@@ -258,9 +260,10 @@ class Birder(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Birder step over the transport (every worker must call it); returns ``closure()``'s loss.
-        Nothing happens when ``hvd.broadcast_optimizer_state`` calls it (Birder's state needs no first step)."""
+        Called by ``hvd.broadcast_optimizer_state``: no step (Birder's state needs no first step); under Horovod
+        elastic's re-synchronisation, the workers' states are agreed (``birder_state.resync_birder``)."""
         if called_by_broadcast_optimizer_state():
-            return None
+            return resync_birder(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -350,42 +353,10 @@ class Birder(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict plus ``"birder"``: this worker's m, b, active mask, step and generator state."""
-        state = super().state_dict()
-        self._ensure_buffers()
-        state["birder"] = {
-            "numel": self._layout.numel,
-            "step": self._step,
-            "m": self._m.clone(),
-            "b": self._b.clone(),
-            "active": self._active.clone(),
-            "rank": self._generator_rank,
-            "generator": None if self._generator is None else self._generator.get_state(),
-        }
-        return state
+        return dict(super().state_dict(), birder=birder_state(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        birder = state_dict.pop("birder", None)
-        if birder is None:
-            raise ValueError("Birder.load_state_dict: no 'birder' entry (not a Birder state dict)")
-        layout = self._ensure_buffers()
-        if birder["numel"] != layout.numel:
-            raise ValueError(f"Birder.load_state_dict: {birder['numel']} elements saved, {layout.numel} here")
-        super().load_state_dict(state_dict)
-        self._step = int(birder["step"])
-        self._m.copy_(birder["m"])
-        self._b.copy_(birder["b"])
-        self._active.copy_(birder["active"])
-        self._all_active = bool(self._active.all())
-        if birder["generator"] is None:
-            self._generator, self._generator_rank = None, None
-        else:
-            if self._generator_rank is not None and birder["rank"] != self._generator_rank:
-                warnings.warn(f"Birder: loading rank {birder['rank']}'s state on rank {self._generator_rank}; "
-                              "each worker should load its own", RuntimeWarning, stacklevel=2)
-            self._generator = torch.Generator(device=layout.device)
-            self._generator.set_state(birder["generator"])
-            self._generator_rank = birder["rank"]
+        load_birder_state(self, state_dict, super().load_state_dict)
 
 
 def simulate_step(optimizers: Sequence[Birder], local_size: int | None = None) -> list[object]:

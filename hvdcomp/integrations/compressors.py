@@ -52,6 +52,7 @@ from ..codec import carrier
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
+from ..codec.validate import check_int
 from ..exchange.bucket import BucketCodec
 from ..exchange.cost import EXCHANGES
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
@@ -61,6 +62,7 @@ from ..exchange.two_stage import TwoStageMaxNorm
 from ..transport.horovod import HorovodTransport
 from .scale_ahead import SCALE_MODES, AheadExchange, ScaleAhead
 from .stock_names import stock_call
+from .warmup import WarmupContext, warmup_compress
 
 
 @dataclass
@@ -122,6 +124,10 @@ class MaxNormCompressor(Compressor):
     Args:
         codec: quantizer, optional shared coordinate selection, error-feedback memory, seed.
         process_set: the Horovod process set the optimizer reduces over (default: all workers).
+        scale: ``"exact"`` (each step's shared scale agreed by a MAX before its payload) or ``"ahead"``
+            (``QSGDMaxNorm``'s default: the scale agreed at the previous step, see ``scale_ahead``).
+        warmup_steps: the first ``warmup_steps`` steps send the gradient uncompressed (float32, reduced by
+            Horovod as with ``hvd.Compression.none``); the codec, its memories and step counts stay untouched.
 
     ``stats`` (``hvdcomp.exchange.stats.Statistics``) counts what this worker sent (the batched scales,
     agreement bits and packed levels when a step's exchange runs, each gradient's header carrier) and
@@ -129,7 +135,8 @@ class MaxNormCompressor(Compressor):
     first gradient's ``compress``.
     """
 
-    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None, scale: str = "exact") -> None:
+    def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None, scale: str = "exact",
+                 warmup_steps: int = 0) -> None:
         if scale not in SCALE_MODES:
             raise ValueError(f"scale must be one of {SCALE_MODES}, got {scale!r}")
         if scale == "ahead" and codec.selector is not None:
@@ -137,6 +144,8 @@ class MaxNormCompressor(Compressor):
         self.codec = codec
         self.scale = scale
         self.ahead = ScaleAhead(codec.quantizer) if scale == "ahead" else None
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self._warmup_done, self._warming = 0, False  # warm-up steps begun; whether this step is one
         self.transport = HorovodTransport(process_set)
         self.stats = Statistics()
         self._steps: dict[Hashable, int] = {}  # exchanges so far, per gradient key
@@ -147,7 +156,8 @@ class MaxNormCompressor(Compressor):
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: the codec's state and the step counters."""
         return {"codec": self.codec.state_dict(), "steps": dict(self._steps), "index_in_step": self._index_in_step,
-                "step_open": self._step_open, "ahead": None if self.ahead is None else self.ahead.state_dict()}
+                "step_open": self._step_open, "ahead": None if self.ahead is None else self.ahead.state_dict(),
+                "warmup_done": self._warmup_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.codec.load_state_dict(state["codec"])
@@ -155,6 +165,7 @@ class MaxNormCompressor(Compressor):
             self.ahead.load_state_dict(state["ahead"])
         self._steps, self._index_in_step = dict(state["steps"]), state["index_in_step"]
         self._step_open = state["step_open"]
+        self._warmup_done, self._warming = state.get("warmup_done", self.warmup_steps), False
         self._batch = None
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Context | _AheadContext]:
@@ -168,6 +179,10 @@ class MaxNormCompressor(Compressor):
             self._batch = None
             self.stats.begin_step()
             self.stats.steps += 1
+            self._warming = self._warmup_done < self.warmup_steps
+            self._warmup_done += self._warming
+        if self._warming:
+            return warmup_compress(tensor, self.stats, self.transport)
         if self._batch is None:
             self._batch = _Batch()
         step_of = self._steps.get
@@ -249,6 +264,8 @@ class MaxNormCompressor(Compressor):
         if ctx is None:
             return tensor
         self._step_open = False
+        if isinstance(ctx, WarmupContext):
+            return ctx.decompress(tensor)
         if isinstance(ctx, _AheadContext):
             return self._finish_ahead(tensor, ctx)
         if not ctx.batch.exchanged:
@@ -306,8 +323,9 @@ class QSGDMaxNorm(MaxNormCompressor):
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None, scale: str = "ahead") -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set, scale)
+                 process_set: hvd.ProcessSet | None = None, scale: str = "ahead", warmup_steps: int = 0) -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set, scale,
+                         warmup_steps)
 
 
 class QSGDMaxNormMultiScale(MaxNormCompressor):
@@ -319,8 +337,9 @@ class QSGDMaxNormMultiScale(MaxNormCompressor):
     """
 
     def __init__(self, bits: Sequence[int] = (4, 8), chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set)
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set,
+                         warmup_steps=warmup_steps)
 
 
 class GlobalRandKMaxNorm(MaxNormCompressor):
@@ -335,10 +354,10 @@ class GlobalRandKMaxNorm(MaxNormCompressor):
 
     def __init__(self, k: int | None = None, ratio: float | None = None, bits: int = 8,
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
         super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), selector, error_feedback, seed),
-                         process_set)
+                         process_set, warmup_steps=warmup_steps)
 
 
 class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
@@ -346,10 +365,10 @@ class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
 
     def __init__(self, k: int | None = None, ratio: float | None = None, bits: Sequence[int] = (4, 8),
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
         super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), selector, error_feedback, seed),
-                         process_set)
+                         process_set, warmup_steps=warmup_steps)
 
 
 def bucket_codec(compression: Any, exchange: str = "lanes", workers_per_node: int = 1) -> BucketCodec:

@@ -13,9 +13,9 @@ Max-norm compressors exchange one small MAX vector (per-tensor scales) per bucke
 levels as one int64 SUM; results are decoded to the mean (``op=hvd.Average``) or the sum (``op=hvd.Sum``).
 
 With ``hierarchical=True`` the bucket is summed at full precision inside each node and only the
-compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``transport`` may be an
-``MPITransport`` (mpi4py) instead of Horovod. Horovod's own ``HOROVOD_HIERARCHICAL_ALLREDUCE`` affects
-only NCCL builds; it is passed through untouched and a warning says when it cannot take effect.
+compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``hierarchical=None`` follows
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` (``launch``). ``transport`` may be an ``MPITransport``
+(mpi4py) instead of Horovod. ``warmup_steps``: the first steps exchange exact float32 means (``warmup``).
 
 Collective names carry a prefix from the optimizer's parameter names and its ordinal among optimizers
 over the same names in this process, so several optimizers (a backbone's and a head's) can exchange
@@ -23,7 +23,8 @@ in one step. ``close()`` (or leaving a ``with`` block, or dropping the optimizer
 hooks. On a rank outside ``process_set`` the optimizer is the wrapped one, as in Horovod.
 
 ``optimizer.stats`` (``hvdcomp.exchange.stats.Statistics``) holds bytes and seconds per step and in
-total. ``state_dict()`` carries the codec's state.
+total. ``state_dict()`` carries the codec's state; loading it at another world size, or Horovod elastic
+re-synchronising after a membership change, resets the codec state only (``resume``).
 """
 
 from __future__ import annotations
@@ -39,20 +40,22 @@ import torch
 
 from ..codec.validate import check_int, check_real
 from ..exchange.bucket import ElementwiseCodec
-from ..exchange.hierarchy import hierarchical_elementwise, hierarchical_tensors
+from ..exchange.hierarchy import bucket_exchange
 from ..exchange.protocol import Exchange, Op, Transport
 from ..exchange.stats import Statistics
 from ..transport.horovod import HorovodTransport
 from .buckets import Bucket, check_groups, collective_prefix, parameter_names, plan_buckets
 from .compressors import bucket_codec
+from .launch import check_hierarchical, resolve_hierarchical
 from .parity import (
     STEP_AFTER_SYNCHRONIZE,
     attach_weak_hooks,
     called_by_broadcast_optimizer_state,
     claim_codec,
     remove_hooks,
-    warn_about_horovod_hierarchy,
 )
+from .resume import agree_on_state, exchange_state, load_exchange_state, remember_fresh_codec
+from .warmup import WARMUP_CODEC, resolve_warmup
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -71,9 +74,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: hvd.ProcessSet,
         bucket_size_mb: float,
-        hierarchical: bool,
+        hierarchical: bool | None,
         transport: Transport | None,
         exchange: str,
+        warmup_steps: int | None,
     ) -> None:
         super(self.__class__, self).__init__(params)
         self._parameter_names = parameter_names(named_parameters, self.param_groups)
@@ -94,7 +98,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = bool(sparse_as_dense)
         self._warned_sparse = False
         self._sparse: dict[torch.nn.Parameter, Any] = {}  # Horovod's sparse all-reduces in flight
-        self._hierarchical = hierarchical
+        self._hierarchical = resolve_hierarchical(hierarchical, default=False)
+        self._warmup_steps = resolve_warmup(warmup_steps, compression)
         self._synchronized = False
         self._should_synchronize = True
         self._fresh_step = True
@@ -103,7 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._codec = None
         self.stats = Statistics()
-        self._agreed = False
+        self._agreed = self._resync = False
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         # On every rank, inside the process set or not, so that the names agree everywhere.
         self._prefix = collective_prefix([self._parameter_names[p] for p in trainable],
@@ -112,14 +117,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._included:  # as Horovod: a rank outside the process set trains locally
             return
         self._transport = transport if transport is not None else HorovodTransport(process_set)
-        per_node = 1 if hierarchical else self._transport.local_size  # workers sharing an uplink in an exchange
+        per_node = 1 if self._hierarchical else self._transport.local_size  # workers sharing an uplink in an exchange
         self._codec = claim_codec(bucket_codec(compression, exchange, per_node), self)
         self._codec.bind_rank(self._transport.rank)
-        if hierarchical and not (self._transport.equal_nodes and self._transport.local_size
-                                 * self._transport.cross_size == self._transport.size):
-            raise ValueError("hierarchical=True needs the same number of workers on every node, the nodes covering "
-                             "all workers of the exchange (the global process set); pass hierarchical=False")
-        warn_about_horovod_hierarchy(hvd.nccl_built())
+        remember_fresh_codec(self)
+        if self._hierarchical:
+            check_hierarchical(self._transport)
         self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._counts = {p: 0 for p in trainable}
@@ -181,33 +184,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
 
     def _bucket_exchange(self, bucket: Bucket) -> Exchange:
-        t = self._transport
         key, step = f"bucket{bucket.index}", self._exchange_step
         grads = [self._dense_grad(p) for p in bucket.params]
-        if isinstance(self._codec, ElementwiseCodec):
-            for grad, piece in zip(grads, bucket.buffer.split(bucket.sizes)):
+        codec = self._codec if step >= self._warmup_steps else WARMUP_CODEC
+        if isinstance(codec, ElementwiseCodec):
+            pieces = bucket.buffer.split(bucket.sizes)  # the flat bucket, one view per gradient
+            for grad, piece in zip(grads, pieces):
                 piece.copy_(grad.reshape(-1)) if grad is not None else piece.zero_()
-            if self._hierarchical:
-                def shard(x: torch.Tensor, segments: list[int], shard_key: object, size: int) -> Exchange:
-                    return self._codec.exchange(x, segments, shard_key, step, size)
-
-                return hierarchical_elementwise(shard, bucket.buffer, bucket.sizes, key, t.local_size, t.local_rank,
-                                                t.cross_size)
-            return self._codec.exchange(bucket.buffer, bucket.sizes, key, step, t.size)
-        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
-        if self._hierarchical:
-            def tensors(xs: list[torch.Tensor], shard_key: object, size: int) -> Exchange:
-                return self._codec.exchange(xs, shard_key, step, size)
-
-            return hierarchical_tensors(tensors, grads, key, t.local_size, t.local_rank, t.cross_size)
-        return self._codec.exchange(grads, key, step, t.size)
+            grads = list(pieces)
+        else:
+            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
+        return bucket_exchange(codec, bucket.buffer, grads, key, step, self._transport, self._hierarchical)
 
     def _launch(self, bucket: Bucket) -> None:
         if self._fresh_step:
             self.stats.begin_step()
             self._fresh_step = False
         if not self._agreed:
-            self._agree_on_state()
+            agree_on_state(self)
         started = time.perf_counter()
         bucket.launched = True
         bucket.exchange = self._bucket_exchange(bucket)
@@ -216,22 +210,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
         self._start(bucket, op, tensor)
         self._inflight.append(bucket)
-
-    def _agree_on_state(self) -> None:
-        """Before the first exchange after construction or ``load_state_dict``: every worker must hold
-        the same exchange step (coordinate sets, PowerSGD's start and its shared Qs follow it). Horovod's
-        ``broadcast_optimizer_state`` does not carry hvdcomp's per-worker state, so a checkpoint of it
-        loaded on some workers only is refused here, on every worker, instead of diverging silently.
-        (16 bytes once, not counted in ``stats``, so that a resumed run counts what an unbroken one does.)"""
-        step = float(self._exchange_step)
-        request = torch.tensor([step, -step], dtype=torch.float64)
-        seen = self._transport.wait(self._transport.start(Op.MAX, request, f"{self._prefix}.agree"))
-        if seen[0] != -seen[1]:
-            raise RuntimeError(f"hvdcomp.DistributedOptimizer: the workers hold different hvdcomp states (exchange "
-                               f"steps {int(-seen[1])} to {int(seen[0])}): every worker must load its own "
-                               "optimizer.state_dict() (hvd.broadcast_optimizer_state does not carry hvdcomp's "
-                               "per-worker state), or none")
-        self._agreed = True
 
     def _start(self, bucket: Bucket, op: Op, tensor: torch.Tensor) -> None:
         self.stats.last_step.count(op, tensor, self._transport)
@@ -339,21 +317,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        state = super(self.__class__, self).state_dict()
-        codec = None if self._codec is None else self._codec.state_dict()
-        state["hvdcomp"] = {"codec": codec, "exchange_step": self._exchange_step}
-        return state
+        return dict(super(self.__class__, self).state_dict(), hvdcomp=exchange_state(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        ours = state_dict.pop("hvdcomp", None)
-        super(self.__class__, self).load_state_dict(state_dict)
-        self._synchronized = False
-        self._agreed = False
-        if ours is not None:
-            if self._codec is not None and ours["codec"] is not None:
-                self._codec.load_state_dict(ours["codec"])
-            self._exchange_step = ours["exchange_step"]
+        load_exchange_state(self, state_dict, super(self.__class__, self).load_state_dict)
 
 
 def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
@@ -368,9 +335,10 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     sparse_as_dense: bool = False,
     process_set: hvd.ProcessSet = hvd.global_process_set,
     bucket_size_mb: float = DEFAULT_BUCKET_MB,
-    hierarchical: bool = False,
+    hierarchical: bool | None = None,
     transport: Transport | None = None,
     exchange: str = "lanes",
+    warmup_steps: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the mean (``op=hvd.Average``) or sum (``op=hvd.Sum``)
     over the workers of their compressed gradients. The arguments up to ``process_set`` are Horovod's,
@@ -386,8 +354,12 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
             come back sparse); ``False``: they are reduced as Horovod reduces them (its sparse
             all-reduce, uncompressed; over ``MPITransport``, dense with a warning).
         bucket_size_mb: gradients per bucket; each bucket is exchanged as soon as it is complete.
-        hierarchical: full precision inside nodes, the compressed payload only between nodes.
-        transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over ``process_set``.
+        hierarchical: full precision inside nodes, the compressed payload only between nodes; ``None``:
+            as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says (``horovodrun --hierarchical-allreduce``), else off.
+        transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
+            ``process_set``.
+        warmup_steps: the first ``warmup_steps`` steps exchange exact float32 means, the codec untouched;
+            ``None``: the compressor's own ``warmup_steps`` if it has one, else 0.
         exchange: how max-norm levels travel: ``"lanes"`` (summed), ``"two_stage"`` (constant bits at any W, more
             variance; ``hvdcomp.exchange.two_stage``) or ``"auto"`` (the cost model's pick per bucket).
 
@@ -397,4 +369,4 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set, bucket_size_mb,
-               hierarchical, transport, exchange)
+               hierarchical, transport, exchange, warmup_steps)

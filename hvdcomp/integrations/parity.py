@@ -1,11 +1,9 @@
 """What the entry points need to behave like Horovod's own optimizers: its warning text, its
-``broadcast_optimizer_state`` protocol, its hierarchical setting, and gradient hooks that let go."""
+``broadcast_optimizer_state`` protocol, its elastic re-synchronisation, and gradient hooks that let go."""
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 import weakref
 from typing import Any
 
@@ -23,24 +21,28 @@ def called_by_broadcast_optimizer_state() -> bool:
     torch's step wrappers) to initialise an empty optimizer state. It does that on the ranks whose state
     is empty only and skips the exchange for Horovod's own optimizers, so ours must not exchange either."""
     functions = sys.modules.get("horovod.torch.functions")
-    if functions is None:
-        return False
-    target = functions.broadcast_optimizer_state.__code__
-    frame = sys._getframe(2)  # the caller of the step() that called this
-    for _ in range(4):
+    return functions is not None and _called_from(functions.broadcast_optimizer_state.__code__, 4)
+
+
+def called_by_elastic_sync() -> bool:
+    """Whether Horovod elastic's ``OptimizerStateHandler.sync`` is behind the current call (through
+    ``broadcast_optimizer_state``, which calls ``state_dict()`` and, on an empty state, ``step()``): every
+    worker re-synchronises there after each (re)start of ``hvd.elastic.run``."""
+    state = sys.modules.get("horovod.torch.elastic.state")
+    return state is not None and _called_from(state.OptimizerStateHandler.sync.__code__, 8)
+
+
+def _called_from(code: Any, frames: int) -> bool:
+    """Whether ``code`` runs in one of the ``frames`` frames above the method that asks (the caller of
+    ``called_by_*``'s caller)."""
+    frame = sys._getframe(3)
+    for _ in range(frames):
         if frame is None:
             return False
-        if frame.f_code is target:
+        if frame.f_code is code:
             return True
         frame = frame.f_back
     return False
-
-
-def warn_about_horovod_hierarchy(nccl_built: bool) -> None:
-    """Warn that ``HOROVOD_HIERARCHICAL_ALLREDUCE`` has no effect on a build without NCCL."""
-    if os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0") not in ("", "0") and not nccl_built:
-        warnings.warn("HOROVOD_HIERARCHICAL_ALLREDUCE takes effect only on NCCL (GPU) builds of Horovod; this "
-                      "build has no NCCL, so it is ignored. Use hvdcomp's hierarchical=True instead.", stacklevel=4)
 
 
 def attach_weak_hooks(optimizer: Any, params: list[torch.nn.Parameter]) -> list[Any]:

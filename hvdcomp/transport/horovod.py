@@ -2,12 +2,13 @@
 
 ``WORLD`` ops use a process set (default: all workers); ``NODE`` and ``CROSS`` ops use process sets
 of each node's ranks and of the ranks sharing a local rank, registered once on every rank (they need
-``hvd.init(process_sets="dynamic")`` and equal nodes). ``equal_nodes`` costs one all-gather, at its
-first read. Implements ``hvdcomp.exchange.protocol.Transport``.
+dynamic process sets, ``hvdcomp.init()`` or ``hvd.init(process_sets="dynamic")``, and equal nodes).
+``equal_nodes`` costs one all-gather, at its first read. Implements ``hvdcomp.exchange.protocol.Transport``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import horovod.torch as hvd
@@ -15,17 +16,23 @@ import torch
 
 from ..exchange.protocol import Op, Reduction, Scope
 
+_DYNAMIC_SETS_NEEDED = (
+    "hierarchical exchanges over Horovod need dynamic process sets: start Horovod with hvdcomp.init() instead of "
+    "hvd.init() (or hvd.init(process_sets='dynamic'), or export HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init()); "
+    "or pass hierarchical=False (hierarchical=None follows HOROVOD_HIERARCHICAL_ALLREDUCE, which horovodrun "
+    "--hierarchical-allreduce sets)"
+)
 _HIERARCHY_SETS: dict[tuple[int, int], tuple[list[hvd.ProcessSet], list[hvd.ProcessSet]]] = {}
 
 
 def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
     """This rank's (node, cross-node) Horovod process sets, registered once on every rank.
 
-    Needs ``hvd.init(process_sets="dynamic")`` (or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``) and the same
-    number of workers on every node.
+    Needs dynamic process sets (``hvdcomp.init()``, ``hvd.init(process_sets="dynamic")`` or
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``) and the same number of workers on every node.
     """
     if not hvd.is_initialized():
-        raise RuntimeError("call hvd.init(process_sets='dynamic') before using a hierarchical exchange")
+        raise RuntimeError("call hvdcomp.init() (or hvd.init(process_sets='dynamic')) before a hierarchical exchange")
     key = (hvd.size(), hvd.local_size())
     if key not in _HIERARCHY_SETS:
         topology = hvd.allgather_object((hvd.rank(), hvd.local_rank(), hvd.cross_rank(), hvd.local_size()))
@@ -41,10 +48,7 @@ def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
             node_sets = [process_set(sorted(t[0] for t in topology if t[2] == n)) for n in nodes]
             cross_sets = [process_set(sorted(t[0] for t in topology if t[1] == j)) for j in local_ranks]
         except ValueError as error:
-            raise RuntimeError(
-                "hierarchical exchanges over Horovod need dynamic process sets: "
-                "hvd.init(process_sets='dynamic') or HOROVOD_DYNAMIC_PROCESS_SETS=1"
-            ) from error
+            raise RuntimeError(_DYNAMIC_SETS_NEEDED) from error
         _HIERARCHY_SETS[key] = (node_sets, cross_sets)
     node_sets, cross_sets = _HIERARCHY_SETS[key]
     return node_sets[hvd.cross_rank()], cross_sets[hvd.local_rank()]
@@ -88,6 +92,18 @@ class HorovodTransport:
         if self._local is None:
             self._local, self._cross = _hierarchy_process_sets()
         return self._local if op.scope is Scope.NODE else self._cross
+
+    def check_hierarchy(self) -> None:
+        """``RuntimeError`` naming the change to make where Horovod runs without dynamic process sets
+        (read from the environment that ``hvd.init`` read: the same on every worker, no collective)."""
+        if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip() in ("", "0") and self.size > 1:
+            raise RuntimeError(_DYNAMIC_SETS_NEEDED)
+
+    def forget_topology(self) -> None:
+        """After Horovod is initialised again (elastic training): node sizes and process sets are read
+        and registered anew at their next use."""
+        self._local = self._cross = self._equal_nodes = None
+        _HIERARCHY_SETS.clear()
 
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any:
         """Start a collective; ``name`` must be the same on every worker when several are in flight

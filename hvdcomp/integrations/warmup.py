@@ -1,0 +1,53 @@
+"""Uncompressed warm-up, as DeepSpeed's ``freeze_step`` and PyTorch's ``start_powerSGD_iter`` offer.
+
+For its first ``warmup_steps`` steps an entry point exchanges the exact float32 mean (``NoCompression``,
+over the same route: flat, or hierarchical) and never calls the codec: its memories, rounding
+generators, coordinate steps and PowerSGD's Qs stay as they were, and the statistics show the step
+uncompressed (as many bytes sent as ``uncompressed_bytes``). Compression starts at step ``warmup_steps``
+as it would have started at step 0 of a run without warm-up (step-keyed choices, such as coordinate
+sets, follow the exchange step, which counts warm-up steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codec.validate import check_int
+from ..exchange.elementwise import NoCompression
+from ..exchange.protocol import Op, Topology
+from ..exchange.stats import Statistics
+
+WARMUP_CODEC = NoCompression()  # stateless: one serves every optimizer
+
+
+def resolve_warmup(warmup_steps: int | None, compression: Any) -> int:
+    """``DistributedOptimizer``'s warm-up: ``warmup_steps`` if given, else the compressor's (``QSGDMaxNorm(...,
+    warmup_steps=N)``), else 0."""
+    if warmup_steps is None:
+        return getattr(compression, "warmup_steps", 0)
+    return check_int("warmup_steps", warmup_steps, 0)
+
+
+@dataclass
+class WarmupContext:
+    """A stock-path gradient sent uncompressed: Horovod reduces it as it is (float32)."""
+
+    dtype: torch.dtype
+
+    def decompress(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype)
+
+
+def warmup_compress(tensor: torch.Tensor, stats: Statistics, topology: Topology) -> tuple[torch.Tensor,
+                                                                                         WarmupContext]:
+    """What a stock-path compressor returns during warm-up: the float32 gradient (counted as sent and as
+    uncompressed) and its context; Horovod then reduces it with the optimizer's op, as with
+    ``hvd.Compression.none``."""
+    flat = tensor.float()
+    for traffic in (stats.last_step, stats.total):
+        traffic.count(Op.SUM, flat, topology)
+        traffic.uncompressed_bytes += tensor.numel() * tensor.element_size()
+    return flat, WarmupContext(tensor.dtype)
