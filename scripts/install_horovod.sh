@@ -74,11 +74,14 @@ if [ "$FLAVOUR" = gpu ]; then
     # for this script only; on a GPU machine the driver's libcuda.so.1 is found as usual.
     cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
     stubs=$cuda_home/lib64/stubs
-    [ -f "$stubs/libcuda.so" ] || die "no CUDA driver and no stub libcuda at $stubs (set CUDA_HOME)"
-    mkdir "$tmp/cuda-stubs" && ln -s "$stubs/libcuda.so" "$tmp/cuda-stubs/libcuda.so.1"
-    export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
-    export LD_LIBRARY_PATH="$tmp/cuda-stubs:$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    log "no CUDA driver here: linking against the stub libcuda in $stubs"
+    if [ -f "$stubs/libcuda.so" ]; then
+      mkdir "$tmp/cuda-stubs" && ln -s "$stubs/libcuda.so" "$tmp/cuda-stubs/libcuda.so.1"
+      export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+      export LD_LIBRARY_PATH="$tmp/cuda-stubs:$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      log "no CUDA driver here: linking against the stub libcuda in $stubs"
+    else
+      log "no CUDA driver and no stub libcuda in $stubs: building without (set CUDA_HOME if it is elsewhere)"
+    fi
   fi
 fi
 
