@@ -8,7 +8,8 @@
 # it. Re-runs with a cached wheel take seconds; re-runs with Horovod already installed take less.
 #
 # The gpu flavour needs nvcc, NCCL and a CUDA build of torch, but no GPU: without a CUDA driver
-# (a Docker build, say) it links against the toolkit's stub libcuda, as Horovod's own images do.
+# (a Docker build, say) it links against the toolkit's stub libcuda when there is one, as Horovod's
+# own images do (Horovod 0.28.1 itself does not link libcuda, so a toolkit without stubs works too).
 #
 # Environment:
 #   PYTHON                   interpreter of the target environment (default: python3 on PATH)
