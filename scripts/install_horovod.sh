@@ -7,9 +7,14 @@
 # is present, builds a wheel once, caches it (keyed by Horovod, torch, Python and flavour) and installs
 # it. Re-runs with a cached wheel take seconds; re-runs with Horovod already installed take less.
 #
+# The gpu flavour needs nvcc, NCCL and a CUDA build of torch, but no GPU: without a CUDA driver
+# (a Docker build, say) it links against the toolkit's stub libcuda when there is one, as Horovod's
+# own images do (Horovod 0.28.1 itself does not link libcuda, so a toolkit without stubs works too).
+#
 # Environment:
 #   PYTHON                   interpreter of the target environment (default: python3 on PATH)
 #   HVDCOMP_HOROVOD_FLAVOUR  cpu | gpu | auto (default auto: gpu only if nvcc, NCCL and a GPU exist)
+#   HOROVOD_BUILD_CUDA_CC_LIST  gpu: compute capabilities to build for, e.g. 80,90 (default: all)
 #   HVDCOMP_CACHE_DIR        wheel cache (default: ~/.cache/hvdcomp)
 #   HVDCOMP_FORCE_REBUILD=1  ignore the cached wheel and any installed Horovod
 set -euo pipefail
@@ -44,19 +49,41 @@ import torch
 major, minor = (int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
 print(20 if (major, minor) >= (2, 14) else 17)")
 
-gpu_usable() {
-  command -v nvcc >/dev/null || return 1
-  command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || return 1
-  ldconfig -p | grep -q libnccl || return 1
-  "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || return 1
+# What building the gpu flavour needs; prints what is missing.
+gpu_build_missing() {
+  command -v nvcc >/dev/null || echo "nvcc (a CUDA toolkit, e.g. an nvidia/cuda devel image)"
+  [ -n "${HOROVOD_NCCL_HOME:-}" ] || ldconfig -p | grep -q libnccl || echo "NCCL (libnccl2 + libnccl-dev, or HOROVOD_NCCL_HOME)"
+  "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null ||
+    echo "a CUDA build of torch"
+}
+gpu_present() {
+  command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 &&
+    "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
 }
 case "$FLAVOUR" in
-  auto) if gpu_usable; then FLAVOUR=gpu; else FLAVOUR=cpu; fi ;;
+  auto) if [ -z "$(gpu_build_missing)" ] && gpu_present; then FLAVOUR=gpu; else FLAVOUR=cpu; fi ;;
   cpu | gpu) ;;
   *) die "HVDCOMP_HOROVOD_FLAVOUR must be cpu, gpu or auto (got '$FLAVOUR')" ;;
 esac
-if [ "$FLAVOUR" = gpu ] && ! gpu_usable; then
-  die "GPU build asked for but nvcc, nvidia-smi, NCCL or a CUDA-enabled torch is missing"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if [ "$FLAVOUR" = gpu ]; then
+  missing=$(gpu_build_missing | paste -sd ';')
+  [ -z "$missing" ] || die "GPU build asked for but missing: $missing"
+  if ! ldconfig -p | grep -q 'libcuda\.so\.1 '; then
+    # No CUDA driver: the linker and `import horovod.torch` (the checks below) get the stub libcuda,
+    # for this script only; on a GPU machine the driver's libcuda.so.1 is found as usual.
+    cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+    stubs=$cuda_home/lib64/stubs
+    if [ -f "$stubs/libcuda.so" ]; then
+      mkdir "$tmp/cuda-stubs" && ln -s "$stubs/libcuda.so" "$tmp/cuda-stubs/libcuda.so.1"
+      export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+      export LD_LIBRARY_PATH="$tmp/cuda-stubs:$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      log "no CUDA driver here: linking against the stub libcuda in $stubs"
+    else
+      log "no CUDA driver and no stub libcuda in $stubs: building without (set CUDA_HOME if it is elsewhere)"
+    fi
+  fi
 fi
 
 KEY="horovod-${HOROVOD_VERSION}-torch${TORCH_VERSION}-${PY_TAG}-${FLAVOUR}"
@@ -82,8 +109,8 @@ fi
 
 if [ "$FORCE" = 1 ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   log "building $KEY (a few minutes)"
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' EXIT
+  work=$tmp/build
+  mkdir "$work"
   "$PYTHON" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work" ||
     die "could not download the horovod $HOROVOD_VERSION sdist from PyPI"
   tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
@@ -101,6 +128,12 @@ if [ "$FORCE" = 1 ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' \
       "$src/cmake/Modules/FindPytorch.cmake"
     grep -q 'print(False)' "$src/cmake/Modules/FindPytorch.cmake" || die "patching FindPytorch.cmake failed"
+  else
+    # Horovod's CUDA kernels ask for C++11, a dialect recent CUDA toolkits are phasing out; use 17 as
+    # the rest of the build does.
+    sed -i 's/^set(CMAKE_CUDA_STANDARD 11)/set(CMAKE_CUDA_STANDARD 17)/' "$src/horovod/common/ops/cuda/CMakeLists.txt"
+    grep -q '^set(CMAKE_CUDA_STANDARD 17)' "$src/horovod/common/ops/cuda/CMakeLists.txt" ||
+      die "patching horovod/common/ops/cuda/CMakeLists.txt failed"
   fi
 
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
