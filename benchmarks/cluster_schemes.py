@@ -1,4 +1,5 @@
-"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with an optional ``:hier`` suffix.
+"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with optional ``:hier`` and ``:two_stage``
+suffixes (in that order).
 
 Families:
 
@@ -14,6 +15,9 @@ Families:
   or ``PowerSGD(rank=1)``; ``birder``: ``hvdcomp.Birder`` over a ``TorchDistributedTransport``, no DDP.
   ``:hier`` as for ``hvdcomp``;
 - ``stock``: stock ``hvd.DistributedOptimizer(compression=hvdcomp.QSGDMaxNorm(<bits>))``: ``qsgd<bits>``.
+
+``:two_stage`` (``hvdcomp:qsgd<bits>`` and ``hvdcomp:birder``) passes ``exchange="two_stage"``: the
+constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes.
 
 Pure (no torch, no Horovod): both the orchestrator and the workers import it.
 """
@@ -49,10 +53,17 @@ class Scheme:
     family: str
     variant: str
     hierarchical: bool = False
+    two_stage: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.family}:{self.variant}" + (":hier" if self.hierarchical else "")
+        return (f"{self.family}:{self.variant}" + (":hier" if self.hierarchical else "")
+                + (":two_stage" if self.two_stage else ""))
+
+    @property
+    def exchange(self) -> str:
+        """The ``exchange=`` argument of hvdcomp's optimizers: ``"two_stage"`` or ``"lanes"``."""
+        return "two_stage" if self.two_stage else "lanes"
 
     @property
     def torch_distributed(self) -> bool:
@@ -68,18 +79,21 @@ class Scheme:
 def parse_scheme(name: str) -> Scheme:
     """``"hvdcomp:qsgd4:hier"`` -> ``Scheme("hvdcomp", "qsgd4", True)``; ValueError naming the choices."""
     parts = name.strip().split(":")
-    hierarchical = len(parts) == 3 and parts[2] == "hier"
-    family, variant = (parts + [""])[:2]
+    family, variant, suffixes = (parts + [""])[0], (parts + [""])[1], parts[2:]
+    hierarchical, two_stage = "hier" in suffixes, "two_stage" in suffixes
     known = FAMILIES.get(family, ())
     valid = variant in known or ("qsgd<bits>" in known and QSGD.fullmatch(variant) is not None)
-    if len(parts) not in (2, 3) or (len(parts) == 3 and not hierarchical) or not valid:
+    in_order = suffixes == [s for s in ("hier", "two_stage") if s in suffixes]
+    if len(parts) < 2 or not in_order or not valid:
         choices = "; ".join(f"{f}:{{{','.join(v)}}}" for f, v in FAMILIES.items())
         raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp and hvdcomp-ddp "
-                         "ones with an optional :hier suffix")
+                         "ones with an optional :hier suffix, hvdcomp:qsgd<bits> and hvdcomp:birder with :two_stage")
     if hierarchical and family not in HIERARCHICAL_FAMILIES:
         raise ValueError(f"scheme {name!r}: only hvdcomp and hvdcomp-ddp schemes have a hierarchical (:hier) "
                          "variant")
-    return Scheme(family, variant, hierarchical)
+    if two_stage and (family != "hvdcomp" or not (variant == "birder" or QSGD.fullmatch(variant))):
+        raise ValueError(f"scheme {name!r}: only hvdcomp:qsgd<bits> and hvdcomp:birder have a :two_stage variant")
+    return Scheme(family, variant, hierarchical, two_stage)
 
 
 def default_schemes(workers_per_node: int) -> list[str]:

@@ -99,12 +99,13 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
         optimizer = hvd.DistributedOptimizer(sgd, named_parameters=named, compression=compression)
         stats = compression.stats
     elif scheme.variant == "birder":
-        optimizer = hvdcomp.Birder(model.parameters(), hierarchical=scheme.hierarchical, **BIRDER_HYPERPARAMETERS)
+        optimizer = hvdcomp.Birder(model.parameters(), hierarchical=scheme.hierarchical, exchange=scheme.exchange,
+                                   **BIRDER_HYPERPARAMETERS)
         stats = optimizer.stats
     else:
         compression = _hvdcomp_compression(scheme.variant, scheme.qsgd_bits)
         optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=named, compression=compression,
-                                                 hierarchical=scheme.hierarchical)
+                                                 hierarchical=scheme.hierarchical, exchange=scheme.exchange)
         stats = optimizer.stats
     return Run(module, optimizer, hvd.barrier,
                lambda: stats.last_step.as_dict() if stats is not None else None,

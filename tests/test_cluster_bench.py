@@ -42,8 +42,14 @@ def test_scheme_names():
     assert parse_scheme("ddp:fp16").torch_distributed and not parse_scheme("hvdcomp:qsgd4").torch_distributed
     assert {"hvdcomp-ddp:fp16", "hvdcomp-ddp:qsgd4", "hvdcomp-ddp:powersgd1"} <= set(DEFAULT)
     assert "hvdcomp-ddp:birder" not in DEFAULT and [n for n in QUICK if n.startswith("hvdcomp-ddp:")]
+    two_stage = parse_scheme("hvdcomp:qsgd8:hier:two_stage")
+    assert two_stage == Scheme("hvdcomp", "qsgd8", True, True) and two_stage.exchange == "two_stage"
+    assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
+    assert parse_scheme("hvdcomp:qsgd8").exchange == "lanes"
     for bad in ("horovod:qsgd4", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp", "mpi:fp32",
-                "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none"):
+                "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
+                "hvdcomp:fp16:two_stage", "hvdcomp-ddp:qsgd4:two_stage", "hvdcomp:qsgd4:two_stage:hier",
+                "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier"):
         with pytest.raises(ValueError, match="scheme"):
             parse_scheme(bad)
     assert default_schemes(1) == list(DEFAULT)
