@@ -114,7 +114,7 @@ class LaneLayout:
                     f"values in [{lo.item()}, {hi.item()}] outside the layout's "
                     f"[{-self.offset}, {self.span - self.offset}]"
                 )
-        return pack_lanes(flat.to(torch.int64) + self.offset, self.lane_shifts(flat.device))
+        return pack_lanes(flat, self.lane_shifts(flat.device), self.offset)
 
     def unpack(self, word_sums: torch.Tensor, numel: int) -> torch.Tensor:
         """Sums of the W workers' values (int64, length ``numel``) from the summed int64 words."""
@@ -126,19 +126,22 @@ class LaneLayout:
         return lanes.sub_(self.offset * self.world_size)
 
 
-def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """int64 words ``[ceil(n / L)]`` from non-negative int64 lane values ``[n]``, ``L = len(shifts)`` per word:
-    word ``w`` is the sum over ``l`` of ``lanes[w L + l] << shifts[l]`` (missing lanes of the last word are 0).
-    Pure tensor ops (fused kernels build on it)."""
-    per_word = shifts.numel()
-    words = (lanes.numel() + per_word - 1) // per_word
-    padded = torch.nn.functional.pad(lanes, (0, words * per_word - lanes.numel()))
-    return (padded.view(words, per_word) << shifts).sum(dim=1)
+def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """int64 words ``[ceil(n / L)]`` from integer lane values ``[n]`` plus ``offset`` (non-negative then),
+    ``L = len(shifts)`` per word: word ``w`` is the sum over ``l`` of ``(lanes[w L + l] + offset) << shifts[l]``
+    (missing lanes of the last word are 0). Pure tensor ops, one int64 buffer (fused kernels build on it)."""
+    per_word, numel = shifts.numel(), lanes.numel()
+    words = (numel + per_word - 1) // per_word
+    padded = torch.zeros(words * per_word, dtype=torch.int64, device=lanes.device)
+    padded[:numel] = lanes
+    if offset:
+        padded[:numel] += offset
+    return padded.view(words, per_word).bitwise_left_shift_(shifts).sum(dim=1)
 
 
 def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:
     """int64 ``[numel]``: the lanes of ``words`` (inverse of ``pack_lanes`` for lanes below ``mask + 1``)."""
-    return ((words.unsqueeze(1) >> shifts) & mask).view(-1)[:numel]
+    return words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask).view(-1)[:numel]
 
 
 def as_uint8(bits: torch.Tensor) -> torch.Tensor:
