@@ -24,6 +24,7 @@ Implements ``hvdcomp.exchange.protocol.Transport``.
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,17 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.protocol import Op, Placement, Reduction, Scope
+
+# The last finished works, of every transport: a Gloo worker thread drops its reference to a work some
+# time after completing it, and when that is the last reference, freeing the work's tensors (Python-made)
+# needs the GIL. A process that exits right after its last exchange then aborts at interpreter shutdown
+# ("terminate called without an active exception"). Held here, works are freed on a Python thread.
+_FINISHED: deque[Any] = deque(maxlen=64)
+
+
+def _wait_and_hold(work: Any) -> None:
+    work.wait()
+    _FINISHED.append(work)
 
 
 @dataclass
@@ -134,7 +146,7 @@ class TorchDistributedTransport:
             return _Handle(None, send.clone())
         count = torch.tensor([rows_here], dtype=torch.int64, device=send.device)
         counts = [torch.empty_like(count) for _ in range(size)]
-        dist.all_gather(counts, count, group=group)
+        _wait_and_hold(dist.all_gather(counts, count, group=group, async_op=True))
         rows = [int(c) for c in torch.cat(counts).tolist()]
         longest = max(rows)
         padded = send if rows_here == longest else torch.cat([send, send.new_zeros(longest - rows_here,
@@ -148,7 +160,7 @@ class TorchDistributedTransport:
 
     def wait(self, handle: _Handle) -> torch.Tensor:
         if handle.work is not None:
-            handle.work.wait()
+            _wait_and_hold(handle.work)
         if handle.rows is None:
             return handle.result
         return torch.cat([buffer[:rows] for buffer, rows in zip(handle.result, handle.rows)])
