@@ -18,14 +18,20 @@ import torch.distributed as dist
 from torch import nn
 
 import hvdcomp.ddp
+from hvdcomp.exchange.protocol import Op
 
 Sum, Average = "sum", "average"
+_transport: hvdcomp.ddp.TorchDistributedTransport | None = None
 
 
 def init() -> None:
-    """Join torchrun's job (Gloo: the example trains on CPU)."""
+    """Join torchrun's job (Gloo: the example trains on CPU) and build the transport of ``allreduce`` and
+    Birder (collective)."""
+    global _transport
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+    if _transport is None:
+        _transport = hvdcomp.ddp.TorchDistributedTransport()
 
 
 def rank() -> int:
@@ -41,9 +47,9 @@ def local_size() -> int:
 
 
 def allreduce(tensor: torch.Tensor, op: str = Average, name: str | None = None) -> torch.Tensor:
-    """The sum (``Sum``) or mean (``Average``) over the workers, in a new tensor."""
-    result = tensor.detach().clone()
-    dist.all_reduce(result)
+    """The sum (``Sum``) or mean (``Average``) over the workers, in a new tensor. Through hvdcomp's transport,
+    which keeps Gloo from freeing the tensor at interpreter shutdown (see ``TorchDistributedTransport``)."""
+    result = _transport.collective(Op.SUM, tensor)
     return result.div_(size()) if op == Average else result
 
 
@@ -64,7 +70,7 @@ def barrier() -> None:
 
 def transport() -> hvdcomp.ddp.TorchDistributedTransport:
     """Birder's transport (nodes from torchrun's ``LOCAL_WORLD_SIZE``)."""
-    return hvdcomp.ddp.TorchDistributedTransport()
+    return _transport
 
 
 def wrap(model: nn.Module, compression: Any, bucket_mb: float, hierarchical: bool) -> tuple[nn.Module, Any]:
