@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hvdcomp.codec.quantize import MaxNormQuantizer
+from hvdcomp.codec.quantize import MaxNormQuantizer, _few_long_groups
 from hvdcomp.codec.selection import RandomCoordinateSelector
 from hvdcomp.exchange.bucket import Segments
 from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
@@ -223,6 +223,30 @@ def test_scale_groups_per_tensor_and_chunk():
     assert MaxNormQuantizer((4,), chunk_size=4).scale_groups(9).tolist() == [4, 4, 1]
     with pytest.raises(ValueError):
         MaxNormQuantizer((4,)).scale_groups(10, [3, 3])
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])  # few long groups (one pass per group) / many (segmented)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
+def test_local_stats_is_the_max_of_finite_magnitudes_per_group(chunk_size, dtype, poison):
+    quantizer = MaxNormQuantizer((4,), chunk_size=chunk_size)
+    pieces = [torch.tensor([-3.0, 2.0, -0.0]), torch.tensor([-5.0, -7.0]), torch.tensor([0.5, 4.0, 1.0, -2.0]),
+              torch.zeros(3), torch.tensor([-0.0]), torch.linspace(-1.0, 0.5, 20)]
+    if poison is not None:
+        pieces[2][1] = poison
+    x = torch.cat(pieces).to(dtype)
+    groups = quantizer.scale_groups(x.numel(), [p.numel() for p in pieces])
+    assert _few_long_groups(groups, x.numel()) == (chunk_size is None)
+    ends = groups.cumsum(0).tolist()
+    expected = [float(torch.nan_to_num(x.float()[end - n:end].abs(), nan=0.0, posinf=0.0).max())
+                for n, end in zip(groups.tolist(), ends)]
+    stats = quantizer.local_stats(x, groups)
+    assert stats.dtype == torch.float32 and stats.tolist() == [*expected, float(poison is not None)]
+    assert quantizer._scale_per_element(stats, groups, x.numel()).tolist() == \
+        stats[:-1].repeat_interleave(groups).tolist()
+    source = torch.tensor([1.0, float("nan")])  # a selection's whole tensor decides the flag
+    assert quantizer.local_stats(x, groups, source=source)[-1] == 1.0
+    assert quantizer.local_stats(x, groups, source=torch.ones(2))[-1] == 0.0
 
 
 def test_segments_get_their_own_scale():

@@ -33,6 +33,8 @@ from .validate import check_int
 
 MIN_BITS = 1
 MAX_BITS = 16
+_LOOP_MAX_GROUPS = 16
+_LOOP_MIN_MEAN_LENGTH = 4096
 
 
 def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
@@ -72,6 +74,10 @@ class MaxNormQuantizer:
         self.bits = _validate_bits(bits)
         self.chunk_size = None if chunk_size is None else check_int("chunk_size", chunk_size, 1)
         self.levels = tuple(2**b - 1 for b in self.bits)
+        self._scale_scratch: torch.Tensor | None = None  # reused by _scale_per_element
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_scale_scratch": None}
 
     @property
     def coarse_levels(self) -> int:
@@ -107,12 +113,21 @@ class MaxNormQuantizer:
         then 1.0 if ``source`` (default ``x``; e.g. the whole gradient when ``x`` is a selection of it)
         has NaN/Inf.
 
-        Reduce with MAX across workers.
+        Reduce with MAX across workers. Few long groups (per-tensor scales) take one ``aminmax`` pass per
+        group; many short ones (chunks), or a group holding NaN/Inf, take the segmented reduction.
         """
-        mags = x.detach().reshape(-1).abs().float()
+        flat = x.detach().reshape(-1)
+        stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
+        if _few_long_groups(groups, flat.numel()):
+            for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
+                torch.maximum(-low, high, out=stats[group])
+            if bool(torch.isfinite(stats[:-1]).all()):  # else a group holds NaN/Inf: redo it exactly below
+                if source is not None:
+                    stats[-1] = (~torch.isfinite(source).all()).float()
+                return stats
+        mags = flat.abs().float()
         nonfinite = ~torch.isfinite(mags if source is None else source).all()
         mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
-        stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
         if groups.numel():
             stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)
         stats[-1] = nonfinite.float()
@@ -123,12 +138,21 @@ class MaxNormQuantizer:
         """Whether any worker's tensor held NaN/Inf, from the MAX-reduced ``local_stats``."""
         return bool(stats[-1].item() > 0)
 
-    @staticmethod
-    def _scale_per_element(stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
+    def _scale_per_element(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
+        """float32 ``[numel]``: each element's group maximum ``M`` (a broadcast view for one group). Few
+        long groups fill a scratch buffer of this quantizer: the result is valid until the next call."""
         maxima = stats[:-1]
         if groups.numel() <= 1:
             return maxima.expand(numel)
-        return maxima.repeat_interleave(groups.to(maxima.device), output_size=numel)
+        if not _few_long_groups(groups, numel):
+            return maxima.repeat_interleave(groups.to(maxima.device), output_size=numel)
+        scratch = self._scale_scratch
+        if scratch is None or scratch.numel() < numel or scratch.device != maxima.device:
+            scratch = self._scale_scratch = torch.empty(numel, dtype=torch.float32, device=maxima.device)
+        scale = scratch[:numel]
+        for piece, value in zip(scale.split(groups.tolist()), maxima):
+            piece.fill_(value)
+        return scale
 
     def _scale_and_levels(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
                           numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +251,12 @@ class MaxNormQuantizer:
         scale, levels = self._scale_and_levels(stats, groups, agreed, numel, word_sums.device)
         return _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                             layout.offset * world_size, scale, levels, float(world_size), numel)
+
+
+def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:
+    """Whether a Python loop over the scale groups (one small op each) beats a segmented kernel: few
+    groups, or groups long enough on average (per-tensor scales, not chunks)."""
+    return groups.numel() <= _LOOP_MAX_GROUPS or numel >= _LOOP_MIN_MEAN_LENGTH * groups.numel()
 
 
 def _ratio(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
