@@ -2,17 +2,49 @@
 
 Pure tensor math, no collectives (the 1-bit exchanges are ``hvdcomp.exchange.onebit``). A ±1 value
 travels as a bit, True (1) for +1.
+
+The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``update_moments``
+(both moments and the probability of +1 in one pass) and ``mean_from_lane_sums`` (unpack and mean).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .fused import FusedKernel
+from .packing import LaneLayout, unpack_lanes
+
 
 def unbiased_direction(m: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``z = m / b`` in [-1, 1], 0 where ``b == 0`` (``|m| <= b`` up to rounding; clamped)."""
     z = torch.div(m, b, out=out) if out is not None else m / b
     return z.masked_fill_(b <= 0, 0.0).clamp_(-1.0, 1.0)
+
+
+def plus_probability(m: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(1 + z) / 2`` for ``z = unbiased_direction(m, b)``: the probability of drawing +1."""
+    return unbiased_direction(m, b, out=out).add_(1.0).mul_(0.5)
+
+
+def _moments_eager(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
+                   beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new ``m``, ``b`` and ``plus_probability`` of them (explicit ops: fused and eager round alike)."""
+    new_m = m * beta + grad * (1.0 - beta)
+    new_b = b * beta + grad.abs() * (1.0 - beta)
+    return new_m, new_b, plus_probability(new_m, new_b)
+
+
+_moments = FusedKernel(_moments_eager)
+
+
+def update_moments(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float,
+                   prob_out: torch.Tensor) -> None:
+    """In place, one fused pass over float32 ``[n]`` buffers: ``m <- beta m + (1 - beta) g``,
+    ``b <- beta b + (1 - beta) |g|``, ``prob_out <- plus_probability(m, b)``."""
+    new_m, new_b, prob = _moments(m, b, grad, float(beta))
+    m.copy_(new_m)
+    b.copy_(new_b)
+    prob_out.copy_(prob)
 
 
 def binarize(prob_plus: torch.Tensor, generator: torch.Generator | None,
@@ -42,3 +74,22 @@ def bits_to_signs(bits: torch.Tensor) -> torch.Tensor:
 def mean_from_counts(counts: torch.Tensor, group: int) -> torch.Tensor:
     """``(2 count - group) / group`` as float32: the mean of ``group`` ±1 values with ``count`` +1s."""
     return counts.mul(2).sub_(group).to(torch.float32).div_(group)
+
+
+def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int,
+                           group: int) -> torch.Tensor:
+    """float32 ``[numel]``: ``mean_from_counts`` of the lanes of ``word_sums``."""
+    return mean_from_counts(unpack_lanes(word_sums, shifts, mask, numel), group)
+
+
+_mean_from_words = FusedKernel(_mean_from_words_eager)
+
+
+def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Tensor:
+    """float32 ``[numel]``: the mean of ``layout.world_size`` workers' ±1 values from the sums of their bits'
+    words (``layout``: ``span=1``, no offset), in one fused pass."""
+    if layout.span != 1 or layout.offset:
+        raise ValueError(f"mean_from_lane_sums needs a layout of bits (span 1, offset 0), got {layout}")
+    layout.check_words(word_sums, numel)
+    return _mean_from_words(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, numel,
+                            layout.world_size)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codec.onebit import binarize, bits_to_signs, mean_from_counts
+from ..codec.onebit import binarize, bits_to_signs, mean_from_counts, mean_from_lane_sums
 from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
 from .hierarchy import across_nodes, shard_bounds, shard_length
@@ -45,7 +45,7 @@ def one_bit_mean(bits: torch.Tensor, world_size: int) -> Exchange:
         return bits_to_signs(bits)
     layout = LaneLayout(span=1, world_size=world_size)
     word_sums = yield Op.SUM, layout.pack(as_uint8(bits.reshape(-1)), validate=False)
-    return mean_from_counts(layout.unpack(word_sums, numel), world_size)
+    return mean_from_lane_sums(word_sums, layout, numel)
 
 
 def hierarchical_one_bit_mean(
