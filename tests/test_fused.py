@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from hvdcomp.codec import fused
-from hvdcomp.codec.onebit import mean_from_counts, mean_from_lane_sums, update_moments
+from hvdcomp.codec.onebit import all_finite, mean_from_counts, mean_from_lane_sums, update_moments
 from hvdcomp.codec.packing import LaneLayout
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
@@ -161,6 +161,18 @@ def test_birder_moments_fused_equal_eager():
         assert bool((prob[inner][b[inner] == 0] == 0.5).all())
 
 
+
+def test_all_finite_fused_equals_eager():
+    for numel in SIZES:
+        for bad in (None, float("nan"), float("inf"), -float("inf")):
+            values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+            if bad is not None and numel:
+                values[numel // 2] = bad
+            with fused.eager():
+                want = all_finite(values)
+            assert all_finite(values) == want == (bad is None or not numel), (numel, bad)
+
+
 def test_birder_steps_fused_equal_eager():
     """A few Birder steps of 3 workers (a parameter without gradient, one with zero gradient, > 65536
     elements) leave the same parameters and state with fused kernels on and off."""
@@ -199,19 +211,24 @@ FALLBACK_SCRIPT = textwrap.dedent("""
     import warnings
     import torch
     from hvdcomp.codec import fused
+    from hvdcomp.codec.onebit import update_moments
     from hvdcomp.codec.quantize import MaxNormQuantizer
     from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
 
     grads = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     codecs = [MaxNormCodec(MaxNormQuantizer((2, 6))) for _ in grads]
+    moments = [[torch.ones(3000), torch.ones(3000), torch.zeros(3000)] for _ in range(2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        update_moments(*moments[0][:2], grads[0], 0.9, moments[0][2])  # in place: fails first, then eager
         got = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]  # 3 kernels, twice
     with fused.eager():
+        update_moments(*moments[1][:2], grads[0], 0.9, moments[1][2])
         want = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]
     ours = [str(w.message) for w in caught if "fused codec kernels" in str(w.message)]
     assert len(ours) == 1, ours
     assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert all(torch.equal(a, b) for a, b in zip(*moments))  # updated once, as eagerly
     print("FALLBACK-OK", ours[0])
 """)
 

@@ -3,8 +3,9 @@
 Pure tensor math, no collectives (the 1-bit exchanges are ``hvdcomp.exchange.onebit``). A ±1 value
 travels as a bit, True (1) for +1.
 
-The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``update_moments``
-(both moments and the probability of +1 in one pass) and ``mean_from_lane_sums`` (unpack and mean).
+The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``all_finite``,
+``update_moments`` (both moments and the probability of +1 in one pass, in place) and ``mean_from_lane_sums``
+(unpack and mean).
 """
 
 from __future__ import annotations
@@ -26,25 +27,36 @@ def plus_probability(m: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None 
     return unbiased_direction(m, b, out=out).add_(1.0).mul_(0.5)
 
 
-def _moments_eager(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor,
-                   beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The new ``m``, ``b`` and ``plus_probability`` of them (explicit ops: fused and eager round alike)."""
-    new_m = m * beta + grad * (1.0 - beta)
-    new_b = b * beta + grad.abs() * (1.0 - beta)
-    return new_m, new_b, plus_probability(new_m, new_b)
+def _update_moments_eager(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float,
+                          prob_out: torch.Tensor) -> None:
+    """``update_moments`` with explicit roundings (no fused multiply-add: fused and eager round alike);
+    ``prob_out`` serves as scratch before it gets the probability."""
+    m.mul_(beta).add_(torch.mul(grad, 1.0 - beta, out=prob_out))
+    b.mul_(beta).add_(torch.abs(grad, out=prob_out).mul_(1.0 - beta))
+    plus_probability(m, b, out=prob_out)
 
 
-_moments = FusedKernel(_moments_eager)
+_update_moments = FusedKernel(_update_moments_eager, in_place=True)
 
 
 def update_moments(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float,
                    prob_out: torch.Tensor) -> None:
-    """In place, one fused pass over float32 ``[n]`` buffers: ``m <- beta m + (1 - beta) g``,
+    """In place, one fused pass over float32 ``[n]`` buffers (no allocation): ``m <- beta m + (1 - beta) g``,
     ``b <- beta b + (1 - beta) |g|``, ``prob_out <- plus_probability(m, b)``."""
-    new_m, new_b, prob = _moments(m, b, grad, float(beta))
-    m.copy_(new_m)
-    b.copy_(new_b)
-    prob_out.copy_(prob)
+    _update_moments(m, b, grad, float(beta), prob_out)
+
+
+def _all_finite_eager(values: torch.Tensor) -> torch.Tensor:
+    """0-d bool: no element of ``values`` is NaN or ±Inf."""
+    return torch.isfinite(values).all()
+
+
+_all_finite = FusedKernel(_all_finite_eager)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether no element of ``values`` is NaN or ±Inf (one fused pass)."""
+    return bool(_all_finite(values))
 
 
 def binarize(prob_plus: torch.Tensor, generator: torch.Generator | None,

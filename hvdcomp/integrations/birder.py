@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import binarize, plus_probability, update_moments
+from ..codec.onebit import all_finite, binarize, plus_probability, update_moments
 from ..codec.packing import LaneLayout
 from ..codec.seeding import stable_seed
 from ..codec.validate import check_real
@@ -296,7 +296,7 @@ class Birder(torch.optim.Optimizer):
         traffic = self.stats.begin_step()
         grad, has_grad = self._gather_grads(layout)
 
-        nonfinite = not bool(torch.isfinite(grad).all())
+        nonfinite = not all_finite(grad)
         fresh = None if nonfinite or self._all_active else grad.ne(0).logical_and_(self._active.logical_not())
         flags = torch.tensor([float(nonfinite), float(fresh is not None and bool(fresh.any())), numel, -numel,
                               *has_grad], dtype=torch.float64)
