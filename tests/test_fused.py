@@ -131,12 +131,15 @@ def test_lane_packing_and_bit_means_fused_equal_eager(world_size):
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, numel)
             assert torch.equal(got[1], torch.stack(values).long().sum(dim=0))
             if low == 0:
-                mean = mean_from_lane_sums(word_sums, layout, numel)
+                buffer = torch.full((numel,), 7.0)
+                mean = mean_from_lane_sums(word_sums, layout, numel, out=buffer)
                 with fused.eager():
                     assert torch.equal(mean, mean_from_lane_sums(word_sums, layout, numel))
-                assert mean.dtype == torch.float32 and torch.equal(mean, mean_from_counts(got[1], world_size))
+                assert mean is buffer and torch.equal(mean, mean_from_counts(got[1], world_size))
     with pytest.raises(ValueError):
         mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout.for_levels(1, world_size), 3)
+    with pytest.raises(ValueError):
+        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout(1, world_size), 3, out=torch.zeros(2))
 
 
 def test_birder_moments_fused_equal_eager():

@@ -88,20 +88,26 @@ def mean_from_counts(counts: torch.Tensor, group: int) -> torch.Tensor:
     return counts.mul(2).sub_(group).to(torch.float32).div_(group)
 
 
-def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int,
-                           group: int) -> torch.Tensor:
-    """float32 ``[numel]``: ``mean_from_counts`` of the lanes of ``word_sums``."""
-    return mean_from_counts(unpack_lanes(word_sums, shifts, mask, numel), group)
+def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int, group: int,
+                           out: torch.Tensor) -> None:
+    """``out`` (float32 ``[numel]``) <- ``mean_from_counts`` of the lanes of ``word_sums``."""
+    out.copy_(mean_from_counts(unpack_lanes(word_sums, shifts, mask, numel), group))
 
 
-_mean_from_words = FusedKernel(_mean_from_words_eager)
+_mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
 
 
-def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Tensor:
+def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[numel]``: the mean of ``layout.world_size`` workers' ±1 values from the sums of their bits'
-    words (``layout``: ``span=1``, no offset), in one fused pass."""
+    words (``layout``: ``span=1``, no offset), in one fused pass, written into ``out`` if given."""
     if layout.span != 1 or layout.offset:
         raise ValueError(f"mean_from_lane_sums needs a layout of bits (span 1, offset 0), got {layout}")
     layout.check_words(word_sums, numel)
-    return _mean_from_words(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, numel,
-                            layout.world_size)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=word_sums.device)
+    elif out.dtype != torch.float32 or out.shape != (numel,):
+        raise ValueError(f"out must be float32 of shape ({numel},), got {out.dtype} {tuple(out.shape)}")
+    _mean_from_words(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, numel, layout.world_size,
+                     out)
+    return out

@@ -337,7 +337,7 @@ class Birder(torch.optim.Optimizer):
         bits = binarize(prob, generator, rand_out=self._rand, out=self._bits)
 
         self.route = one_bit_route(layout.numel, topo, hierarchical, self.inter_node, self.exchange)
-        mean = yield from route_mean(self.route, bits, generator, topo)
+        mean = yield from route_mean(self.route, bits, generator, topo, out=self._rand)  # the draws are spent
         if not self._all_active:
             mean.masked_fill_(~self._active, 0.0)
 
