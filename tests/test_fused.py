@@ -176,14 +176,15 @@ def test_all_finite_fused_equals_eager():
             assert all_finite(values) == want == (bad is None or not numel), (numel, bad)
 
 
-def test_birder_steps_fused_equal_eager():
-    """A few Birder steps of 3 workers (a parameter without gradient, one with zero gradient, > 65536
-    elements) leave the same parameters and state with fused kernels on and off."""
+@pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])
+def test_birder_steps_fused_equal_eager(world_size, local_size, scope):
+    """A few Birder steps (a parameter without gradient, one with zero gradient, > 65536 elements) leave the
+    same parameters and state with fused kernels on and off, over all workers and across 2 nodes."""
     shapes = [(300, 221), (7,), (5, 3), (1,)]
 
     def run():
         workers = []
-        for _ in range(3):
+        for _ in range(world_size):
             params = [torch.nn.Parameter(torch.ones(shape)) for shape in shapes]
             workers.append((params, Birder([{"params": params[:2]}, {"params": params[2:], "beta": 0.5}], lr=0.01,
                                            weight_decay=0.1, seed=4)))
@@ -194,7 +195,8 @@ def test_birder_steps_fused_equal_eager():
                 params[1].grad = torch.zeros(shapes[1]) if step < 2 else torch.randn(shapes[1], generator=gen)
                 params[2].grad = None  # no gradient: moments kept, bits still drawn from them
                 params[3].grad = torch.randn(shapes[3], generator=gen)
-            simulate_step([optimizer for _, optimizer in workers])
+            simulate_step([optimizer for _, optimizer in workers], local_size)
+        assert workers[0][1].route.startswith(scope)
         return [([p.detach() for p in params], optimizer.state_dict()["birder"]) for params, optimizer in workers]
 
     got = run()
