@@ -1,9 +1,10 @@
 """Fused kernels: the codec's pure tensor functions compiled by ``torch.compile`` (Inductor: C++/OpenMP on
 CPU, Triton on GPU), with the same functions run eagerly as the readable reference and the fallback.
 
-A ``FusedKernel`` wraps one pure function. Its first call compiles it with ``dynamic=True``: tensor sizes
-are symbolic, so buckets of any size share one compiled graph; calls with a tensor of 0 or 1 elements
-(sizes torch would compile separately) run eagerly.
+A ``FusedKernel`` wraps one pure function (or, ``in_place=True``, one that writes its results into argument
+tensors). Its first call compiles it with ``dynamic=True``: tensor sizes are symbolic, so buckets of any size
+share one compiled graph; calls with a tensor of 0 or 1 elements (sizes torch would compile separately) run
+eagerly.
 Tensors passed through ``static(t)`` (e.g. the lane shifts of a word layout) keep their sizes in the
 graph: one graph per lane count, which lets Inductor unroll the packing. Inductor caches compiled code
 on disk (``TORCHINDUCTOR_CACHE_DIR``, default under ``/tmp``), so later processes skip the C++ compile.
