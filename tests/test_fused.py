@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from hvdcomp.codec import fused
-from hvdcomp.codec.onebit import all_finite, mean_from_counts, mean_from_lane_sums, update_moments
+from hvdcomp.codec.onebit import gradient_checks, mean_from_counts, mean_from_lane_sums, update_moments, zero_inactive
 from hvdcomp.codec.packing import LaneLayout
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
@@ -165,15 +165,30 @@ def test_birder_moments_fused_equal_eager():
 
 
 
-def test_all_finite_fused_equals_eager():
+def test_gradient_checks_and_masking_fused_equal_eager():
+    """NaN/Inf anywhere, a non-zero gradient outside the active mask, and zeroing the inactive elements."""
+    gen = torch.Generator().manual_seed(5)
     for numel in SIZES:
-        for bad in (None, float("nan"), float("inf"), -float("inf")):
-            values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-            if bad is not None and numel:
-                values[numel // 2] = bad
+        active = torch.rand(numel, generator=gen) < 0.7
+        grad = torch.randn(numel, generator=gen).masked_fill_(~active, 0.0)
+        cases = [(grad, None, (True, False)), (grad, active, (True, False))]
+        if numel:
+            fresh, fresh_active = grad.clone(), active.clone()
+            fresh[numel // 2], fresh_active[numel // 2] = 0.5, False  # a first non-zero gradient
+            cases.append((fresh, fresh_active, (True, True)))
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                nonfinite = grad.clone()
+                nonfinite[numel - 1] = bad
+                cases += [(nonfinite, None, (False, False)), (nonfinite, active.clone().fill_(True), (False, False))]
+        for values, mask, expected in cases:
             with fused.eager():
-                want = all_finite(values)
-            assert all_finite(values) == want == (bad is None or not numel), (numel, bad)
+                assert gradient_checks(values, mask) == expected, (numel, expected)
+            assert gradient_checks(values, mask) == expected, (numel, expected)
+        masked = [torch.randn(numel, generator=torch.Generator().manual_seed(numel)) for _ in range(2)]
+        zero_inactive(masked[0], active)
+        with fused.eager():
+            zero_inactive(masked[1], active)
+        assert torch.equal(masked[0], masked[1]) and not masked[0][~active].any()
 
 
 @pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])

@@ -3,9 +3,9 @@
 Pure tensor math, no collectives (the 1-bit exchanges are ``hvdcomp.exchange.onebit``). A ±1 value
 travels as a bit, True (1) for +1.
 
-The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``all_finite``,
-``update_moments`` (both moments and the probability of +1 in one pass, in place) and ``mean_from_lane_sums``
-(unpack and mean).
+The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks``,
+``update_moments`` (both moments and the probability of +1 in one pass, in place), ``mean_from_lane_sums``
+(unpack and mean) and ``zero_inactive``.
 """
 
 from __future__ import annotations
@@ -46,17 +46,35 @@ def update_moments(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: f
     _update_moments(m, b, grad, float(beta), prob_out)
 
 
-def _all_finite_eager(values: torch.Tensor) -> torch.Tensor:
-    """0-d bool: no element of ``values`` is NaN or ±Inf."""
-    return torch.isfinite(values).all()
+def _all_finite_eager(grad: torch.Tensor) -> torch.Tensor:
+    """0-d bool: no element of ``grad`` is NaN or ±Inf."""
+    return torch.isfinite(grad).all()
+
+
+def _checks_with_mask_eager(grad: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d bools: ``_all_finite_eager(grad)``; some element outside ``active`` has a non-zero gradient."""
+    return _all_finite_eager(grad), grad.ne(0).logical_and_(active.logical_not()).any()
 
 
 _all_finite = FusedKernel(_all_finite_eager)
+_checks_with_mask = FusedKernel(_checks_with_mask_eager)
 
 
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether no element of ``values`` is NaN or ±Inf (one fused pass)."""
-    return bool(_all_finite(values))
+def gradient_checks(grad: torch.Tensor, active: torch.Tensor | None = None) -> tuple[bool, bool]:
+    """``(finite, fresh)`` in one fused pass: no element of ``grad`` is NaN or ±Inf; some element outside the
+    bool mask ``active`` (``grad``'s shape; None: every element is active) has a non-zero gradient."""
+    if active is None:
+        return bool(_all_finite(grad)), False
+    finite, fresh = _checks_with_mask(grad, active)
+    return bool(finite), bool(fresh)
+
+
+def _zero_inactive_eager(values: torch.Tensor, active: torch.Tensor) -> None:
+    """``values`` <- 0 where ``active`` is False."""
+    values.masked_fill_(active.logical_not(), 0.0)
+
+
+zero_inactive = FusedKernel(_zero_inactive_eager, in_place=True)
 
 
 def binarize(prob_plus: torch.Tensor, generator: torch.Generator | None,
