@@ -4,6 +4,7 @@ compile once per lane layout (not per size), and fall back to eager with one war
 The kernels compile here once per layout (a few seconds each, cached on disk by Inductor afterwards):
 every test shares the module's few layouts."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,14 +16,18 @@ import torch
 from torch._dynamo.utils import counters
 
 from hvdcomp.codec import fused
+from hvdcomp.codec.onebit import gradient_checks, mean_from_counts, mean_from_lane_sums, update_moments, zero_inactive
+from hvdcomp.codec.packing import LaneLayout
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
 from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
+from hvdcomp.integrations.birder import Birder, simulate_step
 
 # (bits, world size, word bits): payload lanes 5, 12, 15 (+31 agreement lanes), 6
 LAYOUTS = [((8,), 8, 63), ((2,), 3, 63), ((2, 6), 2, 63), ((4,), 5, 48)]
 # segment lengths of one bucket: ragged tensors, empty ones, single elements, a large one
 SEGMENTS = [[1000], [7, 0, 1, 513, 2], [0, 4099, 3], [2, 1], [65536 + 5, 17]]
+SIZES = [0, 1, 2, 31, 33, 4099, 65536 + 5]  # ragged: empty, one element, within one word, > 65536
 
 
 @pytest.fixture(autouse=True)
@@ -108,23 +113,142 @@ def test_codec_exchange_fused_equals_eager():
     assert not torch.equal(want[0], other_step[0])  # a new step draws new bits
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_lane_packing_and_bit_means_fused_equal_eager(world_size):
+    """Birder's lanes (bits of W workers) and a signed layout with an offset: pack, unpack and the mean of
+    the summed bits on both paths, and the sums are the workers' sums."""
+    gen = torch.Generator().manual_seed(world_size)
+    for numel in SIZES:
+        for layout, low, high in [(LaneLayout(span=1, world_size=world_size), 0, 2),
+                                  (LaneLayout.for_levels(2, world_size), -2, 3)]:
+            values = [torch.randint(low, high, (numel,), generator=gen, dtype=torch.int64) for _ in range(world_size)]
+            values = [v.to(torch.uint8) for v in values] if low == 0 else values
+            words = [layout.pack(v, validate=False) for v in values]
+            word_sums = torch.stack(words).sum(dim=0)
+            got = (torch.stack(words), layout.unpack(word_sums, numel))
+            with fused.eager():
+                want = (torch.stack([layout.pack(v, validate=False) for v in values]), layout.unpack(word_sums, numel))
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, numel)
+            assert torch.equal(got[1], torch.stack(values).long().sum(dim=0))
+            if low == 0:
+                buffer = torch.full((numel,), 7.0)
+                mean = mean_from_lane_sums(word_sums, layout, numel, out=buffer)
+                with fused.eager():
+                    assert torch.equal(mean, mean_from_lane_sums(word_sums, layout, numel))
+                assert mean is buffer and torch.equal(mean, mean_from_counts(got[1], world_size))
+    with pytest.raises(ValueError):
+        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout.for_levels(1, world_size), 3)
+    with pytest.raises(ValueError):
+        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout(1, world_size), 3, out=torch.zeros(2))
+
+
+def test_birder_moments_fused_equal_eager():
+    """m, b and the probability of +1 in one pass, into slices of the buffers; b == 0 draws a fair coin."""
+    gen = torch.Generator().manual_seed(3)
+    for numel in SIZES:
+        grad = torch.randn(numel, generator=gen) * (torch.rand(numel, generator=gen) > 0.2)
+        start = [torch.randn(numel + 3, generator=gen), torch.rand(numel + 3, generator=gen) * 2]
+        start[1][: numel // 3] = 0.0  # never active: b == 0
+        outputs = []
+        for context in (contextlib.nullcontext(), fused.eager()):
+            m, b, prob = start[0].clone(), start[1].clone(), torch.full((numel + 3,), -1.0)
+            with context:
+                update_moments(m[1:-2], b[1:-2], grad, 0.9, prob[1:-2])
+            outputs.append((m, b, prob))
+        assert all(torch.equal(g, w) for g, w in zip(*outputs)), numel
+        m, b, prob = outputs[0]
+        assert torch.equal(m[0], start[0][0]) and prob[0] == -1 and prob[-1] == -1  # outside the slices: kept
+        inner = slice(1, numel + 1)
+        torch.testing.assert_close(m[inner], 0.9 * start[0][inner] + 0.1 * grad, rtol=1e-6, atol=1e-6)
+        assert bool(((prob[inner] >= 0) & (prob[inner] <= 1)).all())
+        assert bool((prob[inner][b[inner] == 0] == 0.5).all())
+
+
+
+def test_gradient_checks_and_masking_fused_equal_eager():
+    """NaN/Inf anywhere, a non-zero gradient outside the active mask, and zeroing the inactive elements."""
+    gen = torch.Generator().manual_seed(5)
+    for numel in SIZES:
+        active = torch.rand(numel, generator=gen) < 0.7
+        grad = torch.randn(numel, generator=gen).masked_fill_(~active, 0.0)
+        cases = [(grad, None, (True, False)), (grad, active, (True, False))]
+        if numel:
+            fresh, fresh_active = grad.clone(), active.clone()
+            fresh[numel // 2], fresh_active[numel // 2] = 0.5, False  # a first non-zero gradient
+            cases.append((fresh, fresh_active, (True, True)))
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                nonfinite = grad.clone()
+                nonfinite[numel - 1] = bad
+                cases += [(nonfinite, None, (False, False)), (nonfinite, active.clone().fill_(True), (False, False))]
+        for values, mask, expected in cases:
+            with fused.eager():
+                assert gradient_checks(values, mask) == expected, (numel, expected)
+            assert gradient_checks(values, mask) == expected, (numel, expected)
+        masked = [torch.randn(numel, generator=torch.Generator().manual_seed(numel)) for _ in range(2)]
+        zero_inactive(masked[0], active)
+        with fused.eager():
+            zero_inactive(masked[1], active)
+        assert torch.equal(masked[0], masked[1]) and not masked[0][~active].any()
+
+
+@pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])
+def test_birder_steps_fused_equal_eager(world_size, local_size, scope):
+    """A few Birder steps (a parameter without gradient, one with zero gradient, > 65536 elements) leave the
+    same parameters and state with fused kernels on and off, over all workers and across 2 nodes."""
+    shapes = [(300, 221), (7,), (5, 3), (1,)]
+
+    def run():
+        workers = []
+        for _ in range(world_size):
+            params = [torch.nn.Parameter(torch.ones(shape)) for shape in shapes]
+            workers.append((params, Birder([{"params": params[:2]}, {"params": params[2:], "beta": 0.5}], lr=0.01,
+                                           weight_decay=0.1, seed=4)))
+        for step in range(3):
+            for rank, (params, _) in enumerate(workers):
+                gen = torch.Generator().manual_seed(10 * step + rank)
+                params[0].grad = torch.randn(shapes[0], generator=gen)
+                params[1].grad = torch.zeros(shapes[1]) if step < 2 else torch.randn(shapes[1], generator=gen)
+                params[2].grad = None  # no gradient: moments kept, bits still drawn from them
+                params[3].grad = torch.randn(shapes[3], generator=gen)
+            simulate_step([optimizer for _, optimizer in workers], local_size)
+        assert workers[0][1].route.startswith(scope)
+        return [([p.detach() for p in params], optimizer.state_dict()["birder"]) for params, optimizer in workers]
+
+    got = run()
+    assert fused.enabled(), fused._Mode.failed  # the kernels ran compiled
+    with fused.eager():
+        want = run()
+    for (params, state), (params_eager, state_eager) in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(params, params_eager))
+        assert state.keys() == state_eager.keys()
+        for key, value in state.items():
+            same = torch.equal if isinstance(value, torch.Tensor) else lambda a, b: a == b
+            assert same(value, state_eager[key]), key
+    assert not torch.equal(got[0][0][0], torch.ones(shapes[0]))
+
+
 FALLBACK_SCRIPT = textwrap.dedent("""
     import warnings
     import torch
     from hvdcomp.codec import fused
+    from hvdcomp.codec.onebit import update_moments
     from hvdcomp.codec.quantize import MaxNormQuantizer
     from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
 
     grads = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     codecs = [MaxNormCodec(MaxNormQuantizer((2, 6))) for _ in grads]
+    moments = [[torch.ones(3000), torch.ones(3000), torch.zeros(3000)] for _ in range(2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        update_moments(*moments[0][:2], grads[0], 0.9, moments[0][2])  # in place: fails first, then eager
         got = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]  # 3 kernels, twice
     with fused.eager():
+        update_moments(*moments[1][:2], grads[0], 0.9, moments[1][2])
         want = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]
     ours = [str(w.message) for w in caught if "fused codec kernels" in str(w.message)]
     assert len(ours) == 1, ours
     assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert all(torch.equal(a, b) for a, b in zip(*moments))  # updated once, as eagerly
     print("FALLBACK-OK", ours[0])
 """)
 

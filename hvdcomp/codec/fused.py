@@ -1,9 +1,10 @@
 """Fused kernels: the codec's pure tensor functions compiled by ``torch.compile`` (Inductor: C++/OpenMP on
 CPU, Triton on GPU), with the same functions run eagerly as the readable reference and the fallback.
 
-A ``FusedKernel`` wraps one pure function. Its first call compiles it with ``dynamic=True``: tensor sizes
-are symbolic, so buckets of any size share one compiled graph; calls with a tensor of 0 or 1 elements
-(sizes torch would compile separately) run eagerly.
+A ``FusedKernel`` wraps one pure function (or, ``in_place=True``, one that writes its results into argument
+tensors). Its first call compiles it with ``dynamic=True``: tensor sizes are symbolic, so buckets of any size
+share one compiled graph; calls with a tensor of 0 or 1 elements (sizes torch would compile separately) run
+eagerly.
 Tensors passed through ``static(t)`` (e.g. the lane shifts of a word layout) keep their sizes in the
 graph: one graph per lane count, which lets Inductor unroll the packing. Inductor caches compiled code
 on disk (``TORCHINDUCTOR_CACHE_DIR``, default under ``/tmp``), so later processes skip the C++ compile.
@@ -56,11 +57,16 @@ def static(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class FusedKernel:
-    """``fn`` (a pure function: it must not modify its inputs) compiled at first use (see the module
-    docstring); ``kernel.eager_fn`` is ``fn`` itself."""
+    """``fn`` compiled at first use (see the module docstring); ``kernel.eager_fn`` is ``fn`` itself.
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    ``fn`` is pure (it must not modify its inputs), or with ``in_place=True`` it writes its results into
+    some of its tensor arguments (no new gradient-sized outputs to allocate and copy). Such a kernel
+    compiles as one graph (``fullgraph=True``), so a failure to compile comes before anything is written
+    and the eager fallback starts from the untouched inputs."""
+
+    def __init__(self, fn: Callable[..., Any], in_place: bool = False) -> None:
         self.eager_fn = fn
+        self.in_place = in_place
         self._compiled: Callable[..., Any] | None = None
         self.__doc__ = fn.__doc__
 
@@ -68,12 +74,12 @@ class FusedKernel:
         if not enabled() or any(isinstance(a, torch.Tensor) and a.dim() and a.numel() < 2 for a in args):
             return self.eager_fn(*args)
         if self._compiled is None:
-            self._compiled = torch.compile(self.eager_fn, dynamic=True)
+            self._compiled = torch.compile(self.eager_fn, dynamic=True, fullgraph=self.in_place)
         try:
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                 return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 (bad input raises again below; anything else: fall back)
-            result = self.eager_fn(*args)  # kernels are pure, so the failed call left no trace
+            result = self.eager_fn(*args)  # the failed call left no trace (see the class docstring)
             _Mode.failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
             warnings.warn(f"hvdcomp: fused codec kernels unavailable ({_Mode.failed}); running them eagerly "
                           f"(slower, same results). Set {ENV_SWITCH}=0 to skip compiling.", RuntimeWarning,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused import static
+from .fused import FusedKernel, static
 
 INT64_WORD_BITS = 63
 WORD_STORAGE_BITS = 64
@@ -99,7 +99,7 @@ class LaneLayout:
         return static(torch.arange(self.lanes_per_word, device=device, dtype=torch.int64) * self.lane_width)
 
     def pack(self, values: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        """Pack one worker's integer ``values`` (any integer dtype, 1-D) into int64 words.
+        """Pack one worker's integer ``values`` (any integer dtype, 1-D) into int64 words (a fused kernel).
 
         Returns an int64 tensor of ``num_words(values.numel())`` words. With ``validate`` it raises
         ``ValueError`` for values outside ``[-offset, span - offset]``.
@@ -114,16 +114,20 @@ class LaneLayout:
                     f"values in [{lo.item()}, {hi.item()}] outside the layout's "
                     f"[{-self.offset}, {self.span - self.offset}]"
                 )
-        return pack_lanes(flat, self.lane_shifts(flat.device), self.offset)
+        return _pack_words(flat, self.lane_shifts(flat.device), self.offset)
 
-    def unpack(self, word_sums: torch.Tensor, numel: int) -> torch.Tensor:
-        """Sums of the W workers' values (int64, length ``numel``) from the summed int64 words."""
+    def check_words(self, word_sums: torch.Tensor, numel: int) -> None:
+        """Raise unless ``word_sums`` is 1-D int64 with ``num_words(numel)`` words."""
         if word_sums.dtype != torch.int64 or word_sums.dim() != 1:
             raise TypeError(f"unpack expects 1-D int64 words, got {word_sums.dtype} {tuple(word_sums.shape)}")
         if word_sums.numel() != self.num_words(numel):
             raise ValueError(f"{word_sums.numel()} words cannot hold {numel} elements of this layout")
-        lanes = unpack_lanes(word_sums, self.lane_shifts(word_sums.device), self.lane_mask, numel)
-        return lanes.sub_(self.offset * self.world_size)
+
+    def unpack(self, word_sums: torch.Tensor, numel: int) -> torch.Tensor:
+        """Sums of the W workers' values (int64, length ``numel``) from the summed int64 words (a fused kernel)."""
+        self.check_words(word_sums, numel)
+        return _unpack_sums(word_sums, self.lane_shifts(word_sums.device), self.lane_mask, numel,
+                            self.offset * self.world_size)
 
 
 def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -142,6 +146,16 @@ def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> to
 def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:
     """int64 ``[numel]``: the lanes of ``words`` (inverse of ``pack_lanes`` for lanes below ``mask + 1``)."""
     return words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask).view(-1)[:numel]
+
+
+def _unpack_sums_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int,
+                       offset: int) -> torch.Tensor:
+    """int64 ``[numel]``: the lanes of ``word_sums`` minus ``offset`` (the W workers' offsets)."""
+    return unpack_lanes(word_sums, shifts, mask, numel).sub_(offset)
+
+
+_pack_words = FusedKernel(pack_lanes)
+_unpack_sums = FusedKernel(_unpack_sums_eager)
 
 
 def as_uint8(bits: torch.Tensor) -> torch.Tensor:

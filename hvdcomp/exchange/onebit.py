@@ -31,21 +31,22 @@ from __future__ import annotations
 
 import torch
 
-from ..codec.onebit import binarize, bits_to_signs, mean_from_counts
+from ..codec.onebit import binarize, bits_to_signs, mean_from_counts, mean_from_lane_sums
 from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
 from .hierarchy import across_nodes, shard_bounds, shard_length
 from .protocol import Exchange, Op, Topology
 
 
-def one_bit_mean(bits: torch.Tensor, world_size: int) -> Exchange:
-    """Exact mean (float32) of the workers' ±1 values (``bits``: True for +1), one ``Op.SUM`` of lanes."""
+def one_bit_mean(bits: torch.Tensor, world_size: int, out: torch.Tensor | None = None) -> Exchange:
+    """Exact mean (float32) of the workers' ±1 values (``bits``: True for +1), one ``Op.SUM`` of lanes; it is
+    decoded into ``out`` (float32 ``[bits.numel()]``) if given and several workers exchange."""
     numel = bits.numel()
     if world_size == 1 or numel == 0:
         return bits_to_signs(bits)
     layout = LaneLayout(span=1, world_size=world_size)
     word_sums = yield Op.SUM, layout.pack(as_uint8(bits.reshape(-1)), validate=False)
-    return mean_from_counts(layout.unpack(word_sums, numel), world_size)
+    return mean_from_lane_sums(word_sums, layout, numel, out)
 
 
 def hierarchical_one_bit_mean(
@@ -134,12 +135,14 @@ def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node
     return "world:" + choose_inter_node(topology.size, numel, variants)
 
 
-def route_mean(route: str, bits: torch.Tensor, generator: torch.Generator | None, topology: Topology) -> Exchange:
-    """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``)."""
+def route_mean(route: str, bits: torch.Tensor, generator: torch.Generator | None, topology: Topology,
+               out: torch.Tensor | None = None) -> Exchange:
+    """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``); the route
+    ``"world:sum"`` decodes it into ``out`` (float32, ``bits``' size) if given, the others return a new tensor."""
     scope, variant = route.split(":")
     if scope == "hierarchical":
         return (yield from hierarchical_one_bit_mean(bits, generator, topology.local_size, topology.local_rank,
                                                      topology.cross_size, variant))
     if variant == "two_stage":
         return bits_to_signs((yield from two_stage_one_bit_mean(bits.reshape(-1), generator, topology.size)))
-    return (yield from one_bit_mean(bits, topology.size))
+    return (yield from one_bit_mean(bits.reshape(-1), topology.size, out))

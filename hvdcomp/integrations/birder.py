@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import binarize, unbiased_direction
+from ..codec.onebit import binarize, gradient_checks, plus_probability, update_moments, zero_inactive
 from ..codec.packing import LaneLayout
 from ..codec.seeding import stable_seed
 from ..codec.validate import check_real
@@ -219,7 +219,7 @@ class Birder(torch.optim.Optimizer):
         self._layout = _Layout(params, offsets, indices, offset, device, key)
         zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=device)  # noqa: E731
         self._m, self._b, self._grad = zeros(torch.float32), zeros(torch.float32), zeros(torch.float32)
-        self._z, self._rand = zeros(torch.float32), zeros(torch.float32)
+        self._prob, self._rand = zeros(torch.float32), zeros(torch.float32)
         self._bits, self._active = zeros(torch.bool), zeros(torch.bool)
         self._all_active = offset == 0
         return self._layout
@@ -296,10 +296,9 @@ class Birder(torch.optim.Optimizer):
         traffic = self.stats.begin_step()
         grad, has_grad = self._gather_grads(layout)
 
-        nonfinite = not bool(torch.isfinite(grad).all())
-        fresh = None if nonfinite or self._all_active else grad.ne(0).logical_and_(self._active.logical_not())
-        flags = torch.tensor([float(nonfinite), float(fresh is not None and bool(fresh.any())), numel, -numel,
-                              *has_grad], dtype=torch.float64)
+        finite, fresh_here = gradient_checks(grad, None if self._all_active else self._active)
+        flags = torch.tensor([float(not finite), float(finite and fresh_here), numel, -numel, *has_grad],
+                             dtype=torch.float64)
         flags = yield from counted(single(Op.MAX, flags), traffic, topo, control=True)
         if int(flags[2]) != numel or int(-flags[3]) != numel:
             raise RuntimeError(f"Birder: workers hold different parameter counts ({int(-flags[3])} to {int(flags[2])})")
@@ -309,7 +308,8 @@ class Birder(torch.optim.Optimizer):
             self.stats.end_step(skipped=True)
             return None
         if flags[1] > 0:
-            fresh = fresh if fresh is not None else torch.zeros(numel, dtype=torch.bool, device=layout.device)
+            fresh = (grad.ne(0).logical_and_(self._active.logical_not()) if fresh_here
+                     else torch.zeros(numel, dtype=torch.bool, device=layout.device))
             mask_layout = LaneLayout(span=1, world_size=size)
             word_sums = yield from counted(
                 single(Op.SUM, mask_layout.pack(fresh.view(torch.uint8), validate=False)), traffic, topo, control=True)
@@ -326,19 +326,20 @@ class Birder(torch.optim.Optimizer):
                 hierarchical: bool, updated: list[bool]) -> Exchange:
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
         keep their moments; their bits travel, as the exchange covers the whole flat buffer)."""
-        m, b, z = self._m, self._b, self._z
+        m, b, prob = self._m, self._b, self._prob
+        covered = 0
         for group, indices in zip(self.param_groups, layout.group_indices):
-            beta = group["beta"]
             for lo, hi in _runs(layout, indices, updated):
-                m[lo:hi].mul_(beta).add_(grad[lo:hi], alpha=1 - beta)
-                b[lo:hi].mul_(beta).add_(torch.abs(grad[lo:hi], out=z[lo:hi]), alpha=1 - beta)
-        unbiased_direction(m, b, out=z)
-        bits = binarize(z.add_(1).mul_(0.5), generator, rand_out=self._rand, out=self._bits)
+                update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], group["beta"], prob[lo:hi])
+                covered += hi - lo
+        if covered < layout.numel:  # parameters without a gradient keep their moments, and draw from them
+            plus_probability(m, b, out=prob)
+        bits = binarize(prob, generator, rand_out=self._rand, out=self._bits)
 
         self.route = one_bit_route(layout.numel, topo, hierarchical, self.inter_node, self.exchange)
-        mean = yield from route_mean(self.route, bits, generator, topo)
+        mean = yield from route_mean(self.route, bits, generator, topo, out=self._rand)  # the draws are spent
         if not self._all_active:
-            mean.masked_fill_(~self._active, 0.0)
+            zero_inactive(mean, self._active)
 
         with torch.no_grad():
             for group, indices in zip(self.param_groups, layout.group_indices):
