@@ -133,14 +133,24 @@ class LaneLayout:
 def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """int64 words ``[ceil(n / L)]`` from integer lane values ``[n]`` plus ``offset`` (non-negative then),
     ``L = len(shifts)`` per word: word ``w`` is the sum over ``l`` of ``(lanes[w L + l] + offset) << shifts[l]``
-    (missing lanes of the last word are 0). Pure tensor ops, one int64 buffer (fused kernels build on it)."""
+    (missing lanes of the last word are 0). Pure tensor ops, one int64 buffer (fused kernels build on it).
+
+    Two formulations of the same integers: eagerly one shift and one sum over the lane dimension (fewest
+    ops); under ``torch.compile`` an unrolled sum of the ``L`` lane columns (``shifts`` is static there), which
+    Inductor turns into a vectorized loop over words instead of a scalar reduction (about 2x faster)."""
     per_word, numel = shifts.numel(), lanes.numel()
     words = (numel + per_word - 1) // per_word
     padded = torch.zeros(words * per_word, dtype=torch.int64, device=lanes.device)
     padded[:numel] = lanes
     if offset:
         padded[:numel] += offset
-    return padded.view(words, per_word).bitwise_left_shift_(shifts).sum(dim=1)
+    grid = padded.view(words, per_word)
+    if not torch.compiler.is_compiling():
+        return grid.bitwise_left_shift_(shifts).sum(dim=1)
+    total = grid[:, 0] << shifts[0]
+    for lane in range(1, per_word):
+        total = total + (grid[:, lane] << shifts[lane])
+    return total
 
 
 def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:
