@@ -33,11 +33,12 @@ import torch.distributed as dist
 
 from ..exchange.protocol import Op, Placement, Reduction, Scope
 
-# The last finished works, of every transport: a Gloo worker thread drops its reference to a work some
-# time after completing it, and when that is the last reference, freeing the work's tensors (Python-made)
+# The last few finished works, of every transport: a Gloo worker thread drops its reference to a work
+# just after completing it, and when that is the last reference, freeing the work's tensors (Python-made)
 # needs the GIL. A process that exits right after its last exchange then aborts at interpreter shutdown
-# ("terminate called without an active exception"). Held here, works are freed on a Python thread.
-_FINISHED: deque[Any] = deque(maxlen=64)
+# ("terminate called without an active exception"). Held here, works are freed on a Python thread. Few
+# (each holds its result until evicted): a worker thread releases a work long before 4 later ones finish.
+_FINISHED: deque[Any] = deque(maxlen=4)
 
 
 def _wait_and_hold(work: Any) -> None:
