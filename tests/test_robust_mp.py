@@ -26,6 +26,8 @@ Map (issue 10 item -> test):
 
 import inspect
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -1195,3 +1197,25 @@ def _shared_codec_worker():
 def test_one_compression_object_serves_one_optimizer():
     results = run_function(_shared_codec_worker, np=2, timeout=TIMEOUT)
     assert all("already serves another" in message and hooks == 2 for message, hooks in results), results
+
+
+def test_a_process_set_horovod_dropped_is_a_horovod_internal_error():
+    """After Horovod shut down (a rank failed), its process sets are gone: a collective on one fails with
+    HorovodInternalError, as the others do (elastic training recovers from it), not a bare ValueError."""
+    code = ("import horovod.torch as hvd, torch\n"
+            "from horovod.common.exceptions import HorovodInternalError\n"
+            "from hvdcomp.exchange.protocol import Op\n"
+            "from hvdcomp.transport.horovod import HorovodTransport\n"
+            "hvd.init()\n"
+            "dropped = hvd.ProcessSet([0])\n"
+            "dropped.process_set_id = 7  # an id Horovod does not hold, as after its shutdown\n"
+            "for op in (Op.SUM, Op.MAX, Op.ALLGATHER, Op.ALLTOALL):\n"
+            "    try:\n"
+            "        HorovodTransport(dropped).start(op, torch.ones(4))\n"
+            "    except HorovodInternalError as error:\n"
+            "        assert 'no process set of ranks [0]' in str(error) and isinstance(error.__cause__, ValueError)\n"
+            "    else:\n"
+            "        raise AssertionError(op)\n"
+            "print(HorovodTransport().collective(Op.SUM, torch.ones(2)).tolist())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("[1.0, 1.0]"), done.stderr[-3000:]

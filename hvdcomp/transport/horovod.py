@@ -13,6 +13,7 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
 from ..exchange.protocol import Op, Reduction, Scope
 
@@ -109,12 +110,19 @@ class HorovodTransport:
         """Start a collective; ``name`` must be the same on every worker when several are in flight
         (Horovod matches collectives across workers by name; unnamed ones by call order)."""
         group = self._group(op)
-        if op.reduction is Reduction.ALLGATHER:
-            return hvd.allgather_async(tensor, name=name, process_set=group)
-        if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any integer/float dtype)
-            return hvd.alltoall_async(tensor, name=name, process_set=group)
-        reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
-        return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
+        try:
+            if op.reduction is Reduction.ALLGATHER:
+                return hvd.allgather_async(tensor, name=name, process_set=group)
+            if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any dtype)
+                return hvd.alltoall_async(tensor, name=name, process_set=group)
+            reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
+            return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
+        except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
+            if "process set" not in str(error).lower():
+                raise
+            raise HorovodInternalError(
+                f"hvdcomp: Horovod has no process set of ranks {group.ranks} for this {op.name} (Horovod shut down "
+                "after an error on another rank, or the set was removed)") from error
 
     def poll(self, handle: Any) -> bool:
         return hvd.poll(handle)
