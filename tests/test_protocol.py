@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hvdcomp.codec.quantize import MaxNormQuantizer, _few_long_groups
+from hvdcomp.codec.quantize import SCALE_FLOOR, MaxNormQuantizer, _few_long_groups
+from hvdcomp.codec.random import stream_words
 from hvdcomp.codec.selection import RandomCoordinateSelector
 from hvdcomp.exchange.bucket import Segments
 from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
@@ -242,11 +243,39 @@ def test_local_stats_is_the_max_of_finite_magnitudes_per_group(chunk_size, dtype
                 for n, end in zip(groups.tolist(), ends)]
     stats = quantizer.local_stats(x, groups)
     assert stats.dtype == torch.float32 and stats.tolist() == [*expected, float(poison is not None)]
-    assert quantizer._scale_per_element(stats, groups, x.numel()).tolist() == \
-        stats[:-1].repeat_interleave(groups).tolist()
+    assert quantizer._per_element(stats[:-1], groups, x.numel(), x.numel() + 2).tolist() == \
+        [*stats[:-1].repeat_interleave(groups).tolist(), 0.0, 0.0]
     source = torch.tensor([1.0, float("nan")])  # a selection's whole tensor decides the flag
     assert quantizer.local_stats(x, groups, source=source)[-1] == 1.0
     assert quantizer.local_stats(x, groups, source=torch.ones(2))[-1] == 0.0
+
+
+@pytest.mark.parametrize("bits", [(4,), (16,), (4, 16)])
+def test_zero_and_vanishing_groups_round_with_the_scale_floor(bits):
+    """Groups whose maximum is 0 or subnormal (where ``s / M`` overflows float32) round with ``M = SCALE_FLOOR``:
+    finite means, zeros exact, tiny values within one level ``SCALE_FLOOR / s``, and the groups sharing their
+    words unharmed."""
+    pieces = [torch.tensor([3.0, -1.5, 2.0]), torch.zeros(4), torch.tensor([1.0, 2.0, -3.0]),
+              torch.tensor([1e-41, 0.0, -1e-41, 5e-42])]
+    flat = torch.cat(pieces)
+    codecs = _workers(lambda: MaxNormCodec(MaxNormQuantizer(bits)), 2)
+    means = simulate([c.exchange(flat, [p.numel() for p in pieces], "tiny", 0, 2) for c in codecs])
+    assert torch.equal(means[0], means[1]) and bool(torch.isfinite(means[0]).all())
+    error = (means[0] - flat).abs()
+    assert means[0][3:7].tolist() == [0.0] * 4
+    unit = 3.0 / (2 ** bits[0] - 1)
+    assert bool((error[:3] <= unit).all()) and bool((error[7:10] <= unit).all())
+    assert bool((error[10:] <= SCALE_FLOOR / (2 ** bits[0] - 1)).all())
+    quantizer = codecs[0].quantizer  # levels: within [-s_1, s_1], and 0 (almost surely) below SCALE_FLOOR
+    groups = quantizer.scale_groups(flat.numel(), [p.numel() for p in pieces])
+    stats = quantizer.local_stats(flat, groups)
+    agreed = None
+    if quantizer.multiscale:
+        agreed = quantizer.agreed_scales(quantizer.agreement_words(flat, stats, groups, 1), flat.numel(), 1)
+    levels = quantizer.quantize_levels(flat, stats, groups, agreed, stream_words(0, "tiny"))
+    assert levels[3:7].tolist() == [0] * 4 and levels[10:].tolist() == [0] * 4
+    s = quantizer.coarse_levels
+    assert -s <= int(levels.min()) and int(levels.max()) <= s
 
 
 def test_segments_get_their_own_scale():

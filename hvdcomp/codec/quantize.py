@@ -9,15 +9,17 @@ Pure tensor math, no collectives. One exchange of a W-worker reduction goes:
 3. ``encode(x, stats, groups, agreed)``, reduced with **SUM** -> ``decode(...)`` = mean over the
    workers of their dequantized values.
 
-Each worker's level for an element ``x`` with ``r = |x| / M`` at resolution ``s`` is
-``sign(x) * floor(r * s + U)``, ``U ~ Uniform[0, 1)``, so ``E[level] * M / s = x`` (unbiased) and the
-per-element variance is at most ``(M / s)**2 / 4``. ``U`` is element ``i``'s draw of this worker's
-counter-based stream (``hvdcomp.codec.random``): the caller passes the stream's words (e.g. keyed by seed,
-rank, tensor key and step).
+Each worker's level for an element ``x`` at resolution ``s`` is ``sign(x) * floor(|x| * (s / M) + U)``,
+``U ~ Uniform[0, 1)``, so ``E[level] * M / s = x`` (unbiased) and the per-element variance is at most
+``(M / s)**2 / 4``. ``M`` here is the shared maximum, or ``SCALE_FLOOR`` (2**-100) where that is smaller (an
+all-zero or vanishingly small group), so ``s / M`` is finite and the levels stay unbiased. The per-element
+factors (``s / M`` to encode, ``M / (s W)`` to decode) are computed once per group: the kernels multiply.
+``U`` is element ``i``'s draw of this worker's counter-based stream (``hvdcomp.codec.random``): the caller
+passes the stream's words (e.g. keyed by seed, rank, tensor key and step).
 
-Steps 2 and 3 and the decode each run as one fused kernel (``hvdcomp.codec.fused``: ratio, rounding with
-the in-kernel random draw, sign, offset and lane packing in one pass; unpack, offset, scale and mean in
-another); the module-level functions below are their eager reference.
+Steps 2 and 3 and the decode each run as one fused kernel (``hvdcomp.codec.fused``: scaling, rounding with
+the in-kernel random draw, sign, offset and lane packing in one pass; unpack, offset and scale to the mean
+in another, over whole words); the module-level functions below are their eager reference.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .validate import check_int
 
 MIN_BITS = 1
 MAX_BITS = 16
+SCALE_FLOOR = 2.0**-100  # the smallest scale M rounding uses: s / M stays finite, M / (s W) normal for W <= 1024
 _LOOP_MAX_GROUPS = 16
 _LOOP_MIN_MEAN_LENGTH = 4096
 
@@ -43,6 +46,12 @@ def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch
     (``magnitude >= 0``, float32), variance at most 1/4."""
     noise = uniform(magnitude.numel(), rng.to(magnitude.device)).view(magnitude.shape)
     return torch.floor(magnitude + noise).copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int64)
+
+
+def _signed_levels(x: torch.Tensor, units: torch.Tensor, coarse: int, rng: torch.Tensor) -> torch.Tensor:
+    """int64 ``sign(x) min(floor(|x| units + U), s_1)`` per element, ``U`` = uniform ``i`` of ``rng``."""
+    noise = uniform(x.numel(), rng)
+    return torch.floor(x.abs().float() * units + noise).clamp(max=coarse).copysign(x.float()).to(torch.int64)
 
 
 def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
@@ -138,27 +147,57 @@ class MaxNormQuantizer:
         """Whether any worker's tensor held NaN/Inf, from the MAX-reduced ``local_stats``."""
         return bool(stats[-1].item() > 0)
 
-    def _scale_per_element(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
-        """float32 ``[numel]``: each element's group maximum ``M`` (a broadcast view for one group). Few
-        long groups fill a scratch buffer of this quantizer: the result is valid until the next call."""
-        maxima = stats[:-1]
+    def _per_element(self, per_group: torch.Tensor, groups: torch.Tensor, numel: int,
+                     size: int | None = None) -> torch.Tensor:
+        """float32 ``[size]`` (default ``numel``): ``per_group[g]`` for each element of group ``g``, 0 for the
+        padding past ``numel``; a broadcast view for one group. Few long groups fill a scratch buffer of this
+        quantizer: the result is valid until the next call."""
+        size = numel if size is None else size
         if groups.numel() <= 1:
-            return maxima.expand(numel)
+            return per_group.reshape(-1)[:1].expand(size) if groups.numel() else per_group.new_zeros(size)
         if not _few_long_groups(groups, numel):
-            return maxima.repeat_interleave(groups.to(maxima.device), output_size=numel)
+            values = per_group.repeat_interleave(groups.to(per_group.device), output_size=numel)
+            return torch.cat([values, values.new_zeros(size - numel)]) if size > numel else values
         scratch = self._scale_scratch
-        if scratch is None or scratch.numel() < numel or scratch.device != maxima.device:
-            scratch = self._scale_scratch = torch.empty(numel, dtype=torch.float32, device=maxima.device)
-        scale = scratch[:numel]
-        for piece, value in zip(scale.split(groups.tolist()), maxima):
+        if scratch is None or scratch.numel() < size or scratch.device != per_group.device:
+            scratch = self._scale_scratch = torch.empty(size, dtype=torch.float32, device=per_group.device)
+        out = scratch[:size]
+        for piece, value in zip(out[:numel].split(groups.tolist()), per_group):
             piece.fill_(value)
-        return scale
+        out[numel:].zero_()
+        return out
 
-    def _scale_and_levels(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
-                          numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``M`` per element and float32 levels ``s`` (0-d, or per element with ``agreed``)."""
-        scale = self._scale_per_element(stats, groups, numel).contiguous()
-        return scale, self._levels_per_element(agreed, device)
+    @staticmethod
+    def _scales(stats: torch.Tensor) -> torch.Tensor:
+        """float32 per group: the scale ``M`` rounding uses, the MAX-reduced maximum or ``SCALE_FLOOR``."""
+        return stats[:-1].clamp(min=SCALE_FLOOR)
+
+    def _finer_levels(self, agreed: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """float32 ``s_j`` per element of the agreed resolution index ``j``."""
+        return torch.tensor(self.levels, dtype=torch.float32, device=device)[agreed]
+
+    def _encode_units(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
+                      numel: int) -> torch.Tensor:
+        """float32 ``[numel]``: the factor to levels, ``s / M`` per element (``s`` the agreed resolution's)."""
+        if agreed is None:
+            if self.multiscale:
+                raise ValueError("multi-scale encode/decode needs the agreed resolutions")
+            return self._per_element(float(self.coarse_levels) / self._scales(stats), groups, numel)
+        inverse = self._per_element(1.0 / self._scales(stats), groups, numel)
+        return inverse * self._finer_levels(agreed, stats.device)
+
+    def _decode_units(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None, numel: int,
+                      world_size: int, size: int) -> torch.Tensor:
+        """float32 ``[size]``: the factor from summed levels to the mean, ``M / (s W)`` per element (0 past
+        ``numel``)."""
+        if agreed is None:
+            if self.multiscale:
+                raise ValueError("multi-scale encode/decode needs the agreed resolutions")
+            return self._per_element(self._scales(stats) / float(self.coarse_levels * world_size), groups, numel,
+                                     size)
+        units = self._per_element(self._scales(stats) / float(world_size), groups, numel, size).clone()
+        units[:numel].div_(self._finer_levels(agreed, stats.device))
+        return units
 
     # -- step 2: agreement on the resolution (multi-scale only) -----------------------------------
     def agreement_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
@@ -176,10 +215,10 @@ class MaxNormQuantizer:
         """int64 words of "resolution j fits" bits for j = 2..L (element-major per j). Reduce with SUM."""
         if not self.multiscale:
             raise RuntimeError("agreement is only needed with several resolutions")
-        scale = self._scale_per_element(stats, groups, x.numel()).contiguous()
+        inverse = self._per_element(1.0 / self._scales(stats), groups, x.numel()).contiguous()
         finer = torch.tensor(self.levels[1:], dtype=torch.float32, device=x.device)
         shifts = self.agreement_layout(world_size, word_bits).lane_shifts(x.device)
-        return _agreement_words(x.reshape(-1), scale, finer, self.coarse_levels, shifts)
+        return _agreement_words(x.reshape(-1), inverse, finer, self.coarse_levels, shifts)
 
     def agreed_scales(
         self, word_sums: torch.Tensor, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS
@@ -195,24 +234,16 @@ class MaxNormQuantizer:
     def payload_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
         return LaneLayout.for_levels(self.coarse_levels, world_size, word_bits)
 
-    def _levels_per_element(self, agreed: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        if agreed is None:
-            if self.multiscale:
-                raise ValueError("multi-scale encode/decode needs the agreed resolutions")
-            return torch.tensor(float(self.coarse_levels), device=device)
-        return torch.tensor(self.levels, dtype=torch.float32, device=device)[agreed]
-
     def step_sizes(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 ``[numel]``: ``M / s`` per element, one level's worth (single resolution)."""
-        return self._scale_per_element(stats, groups, numel) / float(self.coarse_levels)
+        return self._per_element(self._scales(stats), groups, numel) / float(self.coarse_levels)
 
     def quantize_levels(self, x: torch.Tensor, stats: torch.Tensor, groups: torch.Tensor,
                         agreed: torch.Tensor | None, rng: torch.Tensor) -> torch.Tensor:
         """int64 ``[numel]``: this worker's signed levels in ``[-s_1, s_1]`` (finite ``x`` only), rounded with
         the stream words ``rng`` as ``encode`` rounds them (unpacked: for exchanges that pack differently)."""
-        scale, levels = self._scale_and_levels(stats, groups, agreed, x.numel(), x.device)
-        magnitude = _ratio(x.reshape(-1), scale) * levels
-        return stochastic_levels(magnitude, x, rng).clamp_(-self.coarse_levels, self.coarse_levels)
+        units = self._encode_units(stats, groups, agreed, x.numel())
+        return _signed_levels(x.reshape(-1), units, self.coarse_levels, rng.to(x.device))
 
     def encode(
         self,
@@ -230,9 +261,9 @@ class MaxNormQuantizer:
         element ``i`` rounds with the stream's uniform ``i``."""
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
-        scale, levels = self._scale_and_levels(stats, groups, agreed, x.numel(), x.device)
+        units = self._encode_units(stats, groups, agreed, x.numel())
         shifts = self.payload_layout(world_size, word_bits).lane_shifts(x.device)
-        return _encode_words(x.reshape(-1), scale, levels, self.coarse_levels, shifts, rng.to(x.device))
+        return _encode_words(x.reshape(-1), units, self.coarse_levels, shifts, rng.to(x.device))
 
     def decode(
         self,
@@ -244,13 +275,15 @@ class MaxNormQuantizer:
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
     ) -> torch.Tensor:
-        """float32 ``[numel]``: the mean over the workers of their dequantized values."""
+        """float32 ``[numel]``: the mean over the workers of their dequantized values (a view of a buffer
+        padded to whole words)."""
         layout = self.payload_layout(world_size, word_bits)
         if word_sums.dtype != torch.int64 or word_sums.numel() != layout.num_words(numel):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
-        scale, levels = self._scale_and_levels(stats, groups, agreed, numel, word_sums.device)
-        return _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
-                            layout.offset * world_size, scale, levels, float(world_size), numel)
+        units = self._decode_units(stats, groups, agreed, numel, world_size, word_sums.numel() * layout.lanes_per_word)
+        means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
+                             layout.offset * world_size, units)
+        return means[:numel]
 
 
 def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:
@@ -259,16 +292,11 @@ def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:
     return groups.numel() <= _LOOP_MAX_GROUPS or numel >= _LOOP_MIN_MEAN_LENGTH * groups.numel()
 
 
-def _ratio(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``|x| / M`` in [0, 1] per element (0 where ``M`` is 0)."""
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x.abs().float() / safe).clamp(max=1.0)
-
-
-def _agreement_words_eager(x: torch.Tensor, scale: torch.Tensor, finer_levels: torch.Tensor, coarse: int,
+def _agreement_words_eager(x: torch.Tensor, inverse: torch.Tensor, finer_levels: torch.Tensor, coarse: int,
                            shifts: torch.Tensor) -> torch.Tensor:
-    """Words of the bits ``|x| / M * s_j <= s_1`` for each finer ``s_j`` (j-major), one bit per lane."""
-    fits = _ratio(x, scale).unsqueeze(0) * finer_levels.unsqueeze(1) <= coarse
+    """Words of the bits ``|x| / M * s_j <= s_1`` for each finer ``s_j`` (j-major), one bit per lane
+    (``inverse``: ``1 / M`` per element)."""
+    fits = (x.abs().float() * inverse).unsqueeze(0) * finer_levels.unsqueeze(1) <= coarse
     return pack_lanes(fits.view(-1).to(torch.int64), shifts)
 
 
@@ -280,20 +308,18 @@ def _agreed_scales_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: in
     return (counts == world_size).sum(dim=0)
 
 
-def _encode_words_eager(x: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor, coarse: int,
-                        shifts: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
-    """Words of ``sign(x) min(floor(|x| / M * s + U), s_1) + s_1`` per element, ``U`` = uniform ``i`` of ``rng``."""
-    noise = uniform(x.numel(), rng)
-    magnitude = torch.floor(_ratio(x, scale) * levels + noise).clamp(max=coarse)
-    signed = magnitude.copysign(x.float()).to(torch.int64)
-    return pack_lanes(signed + coarse, shifts)
+def _encode_words_eager(x: torch.Tensor, units: torch.Tensor, coarse: int, shifts: torch.Tensor,
+                        rng: torch.Tensor) -> torch.Tensor:
+    """Words of ``_signed_levels(x, units, coarse, rng) + s_1`` per element."""
+    return pack_lanes(_signed_levels(x, units, coarse, rng) + coarse, shifts)
 
 
-def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, offset: int, scale: torch.Tensor,
-                       levels: torch.Tensor, world_size: float, numel: int) -> torch.Tensor:
-    """float32 ``(sum of levels) * (M / s) / W`` per element from the summed words."""
-    level_sums = unpack_lanes(word_sums, shifts, mask, numel) - offset
-    return level_sums.float() * (scale / levels) / world_size
+def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, offset: int,
+                       units: torch.Tensor) -> torch.Tensor:
+    """float32 ``[words * L]``: ``(sum of levels) * units`` for every lane of every word (``units``:
+    ``M / (s W)`` per lane, 0 for the padding). Whole words, no slicing: one vectorized loop."""
+    lanes = word_sums.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(mask).sub(offset)
+    return (lanes.float() * units.view(lanes.shape)).view(-1)
 
 
 _agreement_words = FusedKernel(_agreement_words_eager)
