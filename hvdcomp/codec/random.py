@@ -33,9 +33,10 @@ OUTPUTS_PER_BLOCK = 4
 def _mulhilo(a: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32-bit words of ``a * multiplier`` (``a`` in [0, 2**32), ``multiplier`` in [2**31, 2**32)).
 
-    ``q = a (multiplier - 2**32)`` fits in int64; ``a * multiplier = q + a 2**32`` gives both words."""
+    ``q = a (multiplier - 2**32)`` fits in int64; ``a * multiplier = q + a 2**32`` gives both words (the high
+    one, ``floor(q / 2**32) + a``, is already in [0, 2**32): no mask)."""
     q = a * (multiplier - (1 << 32))
-    return ((q >> 32) + a) & WORD_MASK, q & WORD_MASK
+    return (q >> 32) + a, q & WORD_MASK
 
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:

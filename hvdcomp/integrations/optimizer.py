@@ -6,9 +6,12 @@ A drop-in for ``hvd.DistributedOptimizer``: the same arguments in the same order
 buckets (``buckets``). When every gradient of a bucket has been accumulated
 ``backward_passes_per_step`` times, the bucket's exchange starts asynchronously; its later rounds are
 started as earlier ones complete, from later gradient hooks, and ``synchronize()`` / ``step()`` finish
-the rest **in bucket order, the same on every rank**: a bucket whose gradients never came on this rank
-(a parameter unused in this step) is exchanged with zeros, as Horovod does. Over a blocking transport
-(``MPITransport``) nothing starts in the hooks, so every rank runs its collectives in that one order.
+the rest: a bucket whose gradients never came on this rank (a parameter unused in this step) is
+exchanged with zeros, as Horovod does. Over Horovod (collectives matched by name) ``synchronize()``
+advances whichever bucket's collective has completed, so bucket k+1 encodes while bucket k is on the
+wire, and blocks only on the lowest bucket still in flight (which every rank reaches: no deadlock). Over
+a blocking transport (``MPITransport``, torch.distributed) nothing starts in the hooks and buckets finish
+one by one in bucket order, so every rank runs its collectives in that one order.
 Max-norm compressors exchange one small MAX vector (per-tensor scales) per bucket and move their packed
 levels as one int64 SUM; results are decoded to the mean (``op=hvd.Average``) or the sum (``op=hvd.Sum``).
 
@@ -267,18 +270,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish every bucket's exchange; gradients then hold the mean (or sum) over the workers.
 
-        Buckets are finished in bucket order on every rank; a bucket not yet started here (gradients
-        missing on this rank count as zeros) starts first, so no rank waits in one bucket's round while
-        another waits in a different one's."""
+        A bucket not yet started here (gradients missing on this rank count as zeros) starts first. Over
+        a transport that matches collectives by name, buckets advance as their collectives complete (the
+        module docstring); otherwise each finishes in bucket order, the same on every rank."""
         if not self._included:
             self._synchronized = True
             return
         for bucket in self._buckets:
             if not bucket.launched:
                 self._launch(bucket)
-        for bucket in sorted(self._inflight, key=lambda b: b.index):
-            while not self._advance(bucket):
-                pass
+        pending = sorted(self._inflight, key=lambda b: b.index)
+        poll = None if self._transport.blocking else self._transport.poll
+        while pending:  # the first bucket whose collective completed, else (blocking on it) the lowest
+            bucket = next((b for b in pending if poll(b.handle)), pending[0]) if poll else pending[0]
+            if self._advance(bucket):
+                pending.remove(bucket)
         self._inflight.clear()
         for p, handle in self._sparse.items():
             p.grad = handle()  # Horovod's sparse all-reduce returns the reduced sparse gradient
