@@ -135,22 +135,27 @@ def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> to
     ``L = len(shifts)`` per word: word ``w`` is the sum over ``l`` of ``(lanes[w L + l] + offset) << shifts[l]``
     (missing lanes of the last word are 0). Pure tensor ops, one int64 buffer (fused kernels build on it).
 
-    Two formulations of the same integers: eagerly one shift and one sum over the lane dimension (fewest
-    ops); under ``torch.compile`` an unrolled sum of the ``L`` lane columns (``shifts`` is static there), which
-    Inductor turns into a vectorized loop over words instead of a scalar reduction (about 2x faster)."""
+    Two formulations of the same integers: eagerly one shift and one sum over the lane dimension of the
+    zero-padded lanes (fewest ops); under ``torch.compile`` the whole words as an unrolled sum of the ``L``
+    lane columns (``shifts`` is static there) plus the last, partial word apart, which Inductor turns into
+    a vectorized loop over words without a bounds check per lane (about 2x faster than a reduction, and 8x
+    for bool lanes)."""
     per_word, numel = shifts.numel(), lanes.numel()
     words = (numel + per_word - 1) // per_word
-    padded = torch.zeros(words * per_word, dtype=torch.int64, device=lanes.device)
-    padded[:numel] = lanes
-    if offset:
-        padded[:numel] += offset
-    grid = padded.view(words, per_word)
     if not torch.compiler.is_compiling():
-        return grid.bitwise_left_shift_(shifts).sum(dim=1)
+        padded = torch.zeros(words * per_word, dtype=torch.int64, device=lanes.device)
+        padded[:numel] = lanes
+        if offset:
+            padded[:numel] += offset
+        return padded.view(words, per_word).bitwise_left_shift_(shifts).sum(dim=1)
+    full = numel // per_word
+    grid = lanes[: full * per_word].view(full, per_word).to(torch.int64) + offset
     total = grid[:, 0] << shifts[0]
     for lane in range(1, per_word):
         total = total + (grid[:, lane] << shifts[lane])
-    return total
+    index = full * per_word + torch.arange(per_word, device=lanes.device)  # the partial word's lanes (static size)
+    last = torch.where(index < numel, lanes[index.clamp(max=numel - 1)].to(torch.int64) + offset, 0)
+    return torch.cat([total, (last << shifts).sum().reshape(1)])[:words]
 
 
 def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:

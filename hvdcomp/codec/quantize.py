@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from .fused import FusedKernel
-from .packing import INT64_WORD_BITS, LaneLayout, pack_lanes, unpack_lanes
+from .packing import INT64_WORD_BITS, LaneLayout, pack_lanes
 from .random import uniform
 from .validate import check_int
 
@@ -172,10 +172,6 @@ class MaxNormQuantizer:
         """float32 per group: the scale ``M`` rounding uses, the MAX-reduced maximum or ``SCALE_FLOOR``."""
         return stats[:-1].clamp(min=SCALE_FLOOR)
 
-    def _finer_levels(self, agreed: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """float32 ``s_j`` per element of the agreed resolution index ``j``."""
-        return torch.tensor(self.levels, dtype=torch.float32, device=device)[agreed]
-
     def _encode_units(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
                       numel: int) -> torch.Tensor:
         """float32 ``[numel]``: the factor to levels, ``s / M`` per element (``s`` the agreed resolution's)."""
@@ -184,7 +180,7 @@ class MaxNormQuantizer:
                 raise ValueError("multi-scale encode/decode needs the agreed resolutions")
             return self._per_element(float(self.coarse_levels) / self._scales(stats), groups, numel)
         inverse = self._per_element(1.0 / self._scales(stats), groups, numel)
-        return inverse * self._finer_levels(agreed, stats.device)
+        return _times_levels(inverse, agreed, self.levels)
 
     def _decode_units(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None, numel: int,
                       world_size: int, size: int) -> torch.Tensor:
@@ -195,8 +191,8 @@ class MaxNormQuantizer:
                 raise ValueError("multi-scale encode/decode needs the agreed resolutions")
             return self._per_element(self._scales(stats) / float(self.coarse_levels * world_size), groups, numel,
                                      size)
-        units = self._per_element(self._scales(stats) / float(world_size), groups, numel, size).clone()
-        units[:numel].div_(self._finer_levels(agreed, stats.device))
+        units = self._per_element(self._scales(stats) / float(world_size), groups, numel, size).contiguous()
+        _divide_by_levels(units[:numel], agreed, self.levels)  # in place (a scratch buffer or a fresh one)
         return units
 
     # -- step 2: agreement on the resolution (multi-scale only) -----------------------------------
@@ -216,19 +212,22 @@ class MaxNormQuantizer:
         if not self.multiscale:
             raise RuntimeError("agreement is only needed with several resolutions")
         inverse = self._per_element(1.0 / self._scales(stats), groups, x.numel()).contiguous()
-        finer = torch.tensor(self.levels[1:], dtype=torch.float32, device=x.device)
         shifts = self.agreement_layout(world_size, word_bits).lane_shifts(x.device)
-        return _agreement_words(x.reshape(-1), inverse, finer, self.coarse_levels, shifts)
+        return _agreement_words(x.reshape(-1), inverse, self.levels, shifts)
 
     def agreed_scales(
         self, word_sums: torch.Tensor, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS
     ) -> torch.Tensor:
-        """int64 ``[numel]``: index of the finest resolution every worker can represent."""
+        """float32 ``[numel]``: index of the finest resolution every worker can represent (integer values;
+        float32 because Inductor writes it several times faster than int64)."""
         layout = self.agreement_layout(world_size, word_bits)
         if word_sums.numel() != layout.num_words(numel * (len(self.levels) - 1)):
             raise ValueError(f"{word_sums.numel()} agreement words do not fit {numel} elements")
-        return _agreed_scales(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, numel,
-                              len(self.levels) - 1, world_size)
+        fits = _all_fit(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, world_size)
+        counts = fits[:numel]
+        for j in range(1, len(self.levels) - 1):  # over the finer resolutions (a sum over dim 0 is slower)
+            counts = counts + fits[j * numel:(j + 1) * numel]
+        return counts
 
     # -- step 3: the summed payload ---------------------------------------------------------------
     def payload_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
@@ -292,20 +291,38 @@ def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:
     return groups.numel() <= _LOOP_MAX_GROUPS or numel >= _LOOP_MIN_MEAN_LENGTH * groups.numel()
 
 
-def _agreement_words_eager(x: torch.Tensor, inverse: torch.Tensor, finer_levels: torch.Tensor, coarse: int,
+def _agreement_words_eager(x: torch.Tensor, inverse: torch.Tensor, levels: tuple[int, ...],
                            shifts: torch.Tensor) -> torch.Tensor:
     """Words of the bits ``|x| / M * s_j <= s_1`` for each finer ``s_j`` (j-major), one bit per lane
-    (``inverse``: ``1 / M`` per element)."""
-    fits = (x.abs().float() * inverse).unsqueeze(0) * finer_levels.unsqueeze(1) <= coarse
-    return pack_lanes(fits.view(-1).to(torch.int64), shifts)
+    (``inverse``: ``1 / M`` per element; ``levels``: ``s_1 < s_2 < ...``)."""
+    ratio = x.abs().float() * inverse
+    fits = [ratio * float(level) <= levels[0] for level in levels[1:]]
+    return pack_lanes(fits[0] if len(fits) == 1 else torch.cat(fits), shifts)
 
 
-def _agreed_scales_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int, finer: int,
-                         world_size: int) -> torch.Tensor:
-    """Per element the number of finer resolutions every worker fits (each worker's bits are monotone in j,
-    so "all fit" is too: count the leading ones)."""
-    counts = unpack_lanes(word_sums, shifts, mask, numel * finer).view(finer, numel)
-    return (counts == world_size).sum(dim=0)
+def _all_fit_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, world_size: int) -> torch.Tensor:
+    """float32 ``[words * L]``: 1.0 where every worker's bit is set, for every lane of every word (the padding
+    included: ``agreed_scales`` cuts it off outside the kernel, which keeps the loop over whole words)."""
+    lanes = word_sums.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(mask)
+    return (lanes == world_size).to(torch.float32).view(-1)
+
+
+def _resolution_levels(agreed: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+    """float32 ``s_j`` per element for the agreed resolution index ``j`` (a sum of steps: exact, no gather)."""
+    result = torch.full_like(agreed, float(levels[0]), dtype=torch.float32)
+    for j in range(1, len(levels)):
+        result = result + (agreed >= j).float() * float(levels[j] - levels[j - 1])
+    return result
+
+
+def _times_levels_eager(inverse: torch.Tensor, agreed: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+    """float32 ``inverse * s_j`` per element (the encode factor ``s_j / M``)."""
+    return inverse * _resolution_levels(agreed, levels)
+
+
+def _divide_by_levels_eager(units: torch.Tensor, agreed: torch.Tensor, levels: tuple[int, ...]) -> None:
+    """``units /= s_j`` per element, in place (the decode factor ``M / (s_j W)``)."""
+    units.div_(_resolution_levels(agreed, levels))
 
 
 def _encode_words_eager(x: torch.Tensor, units: torch.Tensor, coarse: int, shifts: torch.Tensor,
@@ -323,6 +340,8 @@ def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int,
 
 
 _agreement_words = FusedKernel(_agreement_words_eager)
-_agreed_scales = FusedKernel(_agreed_scales_eager)
+_all_fit = FusedKernel(_all_fit_eager)
+_times_levels = FusedKernel(_times_levels_eager)
+_divide_by_levels = FusedKernel(_divide_by_levels_eager, in_place=True)
 _encode_words = FusedKernel(_encode_words_eager)
 _decode_mean = FusedKernel(_decode_mean_eager)
