@@ -127,6 +127,23 @@ def test_error_feedback_on_both_stages_tracks_the_sum_and_resumes_exactly():
     assert all(torch.equal(e, _run(resumed, grads, [numel], step)[0]) for e, step in zip(expected, range(3, 6)))
 
 
+def test_owner_memory_waits_while_its_tensor_is_all_zero():
+    """A chunk owner's memory of a tensor whose values are all zero this step stays put (its M is 0: nothing
+    can travel), rather than being sent at the scale floor, which would swamp the chunk's other values."""
+    world_size, sizes = 2, [10, 30]  # owner 0's chunk: all of tensor 0 and the first 10 elements of tensor 1
+    codecs = _codecs(world_size, 8, error_feedback=True)
+    grads = [torch.cat([torch.zeros(10), g[10:]]) for g in _grads(world_size, 40, seed=6)]
+    _run(codecs, grads, sizes, step=0)
+    state = codecs[0].state_dict()
+    state["memory"]["residuals"][("b", "owner")][:10] = 0.01  # left from steps when tensor 0 had gradients
+    codecs[0].load_state_dict(state)
+    mean = _run(codecs, grads, sizes, step=1)[0]
+    truth = torch.stack(grads).mean(0)
+    assert mean[:10].tolist() == [0.0] * 10
+    assert bool(((mean[10:20] - truth[10:20]).abs() <= 0.05 * truth[10:].abs().max()).all())
+    assert torch.equal(codecs[0].state_dict()["memory"]["residuals"][("b", "owner")][:10], torch.full((10,), 0.01))
+
+
 def test_nonfinite_gives_nan_everywhere_and_keeps_the_memories():
     codecs = _codecs(3, 4, error_feedback=True)
     grads = _grads(3, 10)

@@ -233,6 +233,11 @@ class MaxNormQuantizer:
     def payload_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
         return LaneLayout.for_levels(self.coarse_levels, world_size, word_bits)
 
+    def maxima(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
+        """float32 ``[numel]``: each element's shared maximum as reduced (0 for an all-zero group; not floored
+        at ``SCALE_FLOOR``); valid until the quantizer's next per-element call."""
+        return self._per_element(stats[:-1], groups, numel)
+
     def step_sizes(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 ``[numel]``: ``M / s`` per element, one level's worth (single resolution)."""
         return self._per_element(self._scales(stats), groups, numel) / float(self.coarse_levels)

@@ -153,7 +153,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
             owner_residual = self.memory.residual((key, "owner"), mean)
             scale = torch.zeros_like(mean)
             scale[: hi - lo] = quantizer.step_sizes(stats, groups, numel)[lo:hi] * s
-            sent = scale > 0  # where M is 0 nothing can travel: the memory waits
+            sent = torch.zeros_like(mean, dtype=torch.bool)  # where M is 0 nothing can travel: the memory waits
+            sent[: hi - lo] = quantizer.maxima(stats, groups, numel)[lo:hi] > 0
             mean.add_(torch.where(sent, owner_residual / torch.where(sent, scale, 1.0), 0.0))
         chunk_scale = mean.abs().amax().reshape(1) if chunk else mean.new_zeros(1)
         ratio = mean.abs().div_(chunk_scale.clamp_min(torch.finfo(torch.float32).tiny))
