@@ -40,18 +40,21 @@ _LOOP_MAX_GROUPS = 16
 _LOOP_MIN_MEAN_LENGTH = 4096
 
 
-def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
-    """int64 ``sign(sign_of) * floor(magnitude + U)``, ``U`` = uniform ``i`` of the stream words ``rng``
-    (``hvdcomp.codec.random.stream_words``) for element ``i``: unbiased for ``sign(sign_of) * magnitude``
-    (``magnitude >= 0``, float32), variance at most 1/4."""
+def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor,
+                      limit: int | None = None) -> torch.Tensor:
+    """int64 ``sign(sign_of) * min(floor(magnitude + U), limit)``, ``U`` = uniform ``i`` of the stream words
+    ``rng`` (``hvdcomp.codec.random.stream_words``) for element ``i``: unbiased for ``sign(sign_of) * magnitude``
+    (``0 <= magnitude <= limit``, float32), variance at most 1/4."""
     noise = uniform(magnitude.numel(), rng.to(magnitude.device)).view(magnitude.shape)
-    return torch.floor(magnitude + noise).copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int64)
+    levels = torch.floor(magnitude + noise)
+    if limit is not None:
+        levels = levels.clamp(max=limit)
+    return levels.copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int64)
 
 
 def _signed_levels(x: torch.Tensor, units: torch.Tensor, coarse: int, rng: torch.Tensor) -> torch.Tensor:
     """int64 ``sign(x) min(floor(|x| units + U), s_1)`` per element, ``U`` = uniform ``i`` of ``rng``."""
-    noise = uniform(x.numel(), rng)
-    return torch.floor(x.abs().float() * units + noise).clamp(max=coarse).copysign(x.float()).to(torch.int64)
+    return stochastic_levels(x.abs().float() * units, x, rng, coarse)
 
 
 def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:

@@ -159,7 +159,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         chunk_scale = mean.abs().amax().reshape(1) if chunk else mean.new_zeros(1)
         ratio = mean.abs().div_(chunk_scale.clamp_min(torch.finfo(torch.float32).tiny))
         requantized = stochastic_levels(ratio.mul_(s), mean,
-                                        self.lanes.rounding_stream((key, "owner"), step, flat.device)).clamp_(-s, s)
+                                        self.lanes.rounding_stream((key, "owner"), step, flat.device), s)
         if owner_residual is not None and not nonfinite:
             lost = (mean - requantized * (chunk_scale / s)).mul_(scale)
             torch.where(sent, lost, owner_residual, out=owner_residual)
