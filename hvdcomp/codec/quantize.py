@@ -152,9 +152,9 @@ class MaxNormQuantizer:
 
     def _per_element(self, per_group: torch.Tensor, groups: torch.Tensor, numel: int,
                      size: int | None = None) -> torch.Tensor:
-        """float32 ``[size]`` (default ``numel``): ``per_group[g]`` for each element of group ``g``, 0 for the
-        padding past ``numel``; a broadcast view for one group. Few long groups fill a scratch buffer of this
-        quantizer: the result is valid until the next call."""
+        """float32 ``[size]`` (default ``numel``): ``per_group[g]`` for each element of group ``g``, and for the
+        padding past ``numel`` 0 (or, for one group, a broadcast view of its value). Few long groups fill a
+        scratch buffer of this quantizer: the result is valid until the next call."""
         size = numel if size is None else size
         if groups.numel() <= 1:
             return per_group.reshape(-1)[:1].expand(size) if groups.numel() else per_group.new_zeros(size)
@@ -214,7 +214,7 @@ class MaxNormQuantizer:
         """int64 words of "resolution j fits" bits for j = 2..L (element-major per j). Reduce with SUM."""
         if not self.multiscale:
             raise RuntimeError("agreement is only needed with several resolutions")
-        inverse = self._per_element(1.0 / self._scales(stats), groups, x.numel()).contiguous()
+        inverse = self._per_element(1.0 / self._scales(stats), groups, x.numel())
         shifts = self.agreement_layout(world_size, word_bits).lane_shifts(x.device)
         return _agreement_words(x.reshape(-1), inverse, self.levels, shifts)
 
