@@ -4,7 +4,7 @@
 - ``carrier``: float64 carriers that survive Horovod's float reductions exactly;
 - ``quantize``: the max-norm quantizer family (``MaxNormQuantizer``);
 - ``selection``: shared random coordinate sets (``RandomCoordinateSelector``);
-- ``memory``: error-feedback residuals (``ErrorFeedback``);
+- ``memory``: error-feedback residuals (``ErrorFeedback``); ``agreed``: scales agreed a step ahead, clipped excess;
 - ``lowrank``: PowerSGD's orthonormalization and flat packing;
 - ``onebit``: Birder's direction, binarization and count decoding;
 - ``random``: counter-based random numbers (Philox4x32-10), keyed by seed, rank, tensor and step;

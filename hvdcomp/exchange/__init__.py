@@ -7,6 +7,7 @@
   ``Segments``);
 - ``elementwise``: ``NoCompression``, ``FP16``, ``MaxNormCodec``; ``powersgd``: ``PowerSGD``;
 - ``two_stage``: ``TwoStageMaxNorm``, max-norm levels at constant bits per element for any world size;
+- ``ahead``: ``AheadMaxNorm``, QSGD with the scale agreed one exchange ahead (no round before the payload);
 - ``hierarchy``: node-local full precision, compressed shards across nodes;
 - ``onebit``: Birder's 1-bit exchanges; ``cost``: the cost model (Birder's variants, lanes or two-stage);
 - ``stats``: the statistics type every entry point reports.
@@ -14,6 +15,7 @@
 Importable without Horovod or mpi4py; ``hvdcomp.transport`` carries the requests out.
 """
 
+from .ahead import AheadMaxNorm
 from .bucket import BucketCodec, ElementwiseCodec, Segments, TensorCodec
 from .elementwise import FP16, MaxNormCodec, NoCompression
 from .powersgd import PowerSGD
@@ -24,6 +26,7 @@ from .two_stage import TwoStageMaxNorm
 
 __all__ = [
     "FP16",
+    "AheadMaxNorm",
     "BucketCodec",
     "ElementwiseCodec",
     "Exchange",

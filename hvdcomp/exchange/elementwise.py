@@ -23,6 +23,12 @@ from .protocol import Exchange, Op
 from .simulator import simulate
 
 
+def warn_nonfinite(key: Hashable, step: int) -> None:
+    """The warning every worker gives when some worker's values of ``key`` held NaN/Inf at ``step``."""
+    warnings.warn(f"hvdcomp: a worker's gradient {key!r} holds NaN/Inf at step {step}; every worker gets NaN for it",
+                  RuntimeWarning, stacklevel=3)
+
+
 class NoCompression(ElementwiseCodec):
     """Plain all-reduce of the float32 bucket (AllReduce-SGD): one ``Op.SUM`` of 32 bits per element."""
 
@@ -190,11 +196,7 @@ class MaxNormCodec(ElementwiseCodec):
         stats = yield Op.MAX, quantizer.local_stats(values, groups, source=flat if indices is not None else None)
         nonfinite = quantizer.saw_nonfinite(stats)
         if nonfinite:
-            warnings.warn(
-                f"hvdcomp: a worker's gradient {key!r} holds NaN/Inf at step {step}; every worker gets NaN for it",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         elif residual is not None:
             residual.add_(flat)
@@ -222,7 +224,15 @@ class MaxNormCodec(ElementwiseCodec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads ``state_dict()``'s output. A state saved before the counter-based streams also holds
         ``"generators"`` (torch.Generator states): they are ignored, as the streams need no state; rounding
-        after such a resume is drawn afresh, identically distributed."""
+        after such a resume is drawn afresh, identically distributed. A state saved with the scale agreed
+        ahead (``AheadMaxNorm``) loads its codec part; what its workers still owed from clipping is dropped,
+        with a warning."""
+        if "agreed" in state:
+            if state["agreed"]["excess"]:
+                warnings.warn("hvdcomp: this state was saved with scale='ahead' and is loaded with scale='exact': "
+                              "the excess its workers clipped and had not sent yet is dropped", RuntimeWarning,
+                              stacklevel=2)
+            state = state["lanes"]
         if (state["memory"] is None) != (self.memory is None):
             raise ValueError("the saved state and this codec disagree on error feedback")
         if self.memory is not None:

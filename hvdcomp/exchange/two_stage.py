@@ -40,7 +40,6 @@ the node-level variant.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ from ..codec.quantize import MaxNormQuantizer, stochastic_levels
 from ..codec.validate import check_bool, check_int
 from .bucket import ElementwiseCodec, Segments
 from .cost import EXCHANGES, TWO_STAGE_HEADER_BYTES, choose_exchange, plain_width
-from .elementwise import MaxNormCodec
+from .elementwise import MaxNormCodec, warn_nonfinite
 from .hierarchy import shard_length
 from .protocol import Exchange, Op
 
@@ -134,8 +133,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
         nonfinite = quantizer.saw_nonfinite(stats)
         if nonfinite:
-            warnings.warn(f"hvdcomp: a worker's gradient {key!r} holds NaN/Inf at step {step}; every worker gets "
-                          "NaN for it", RuntimeWarning, stacklevel=2)
+            warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         levels = quantizer.quantize_levels(values, stats, groups, None, rounding)
         step_sizes = quantizer.step_sizes(stats, groups, numel)

@@ -53,6 +53,7 @@ from ..codec.quantize import MaxNormQuantizer
 from ..codec.seeding import stable_seed
 from ..codec.selection import RandomCoordinateSelector
 from ..codec.validate import check_int
+from ..exchange.ahead import AheadMaxNorm
 from ..exchange.bucket import BucketCodec
 from ..exchange.cost import EXCHANGES
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
@@ -307,19 +308,19 @@ class QSGDMaxNorm(MaxNormCompressor):
     element's decoded value is unbiased with variance at most ``(M / s)**2 / 4``; the mean over ``W``
     workers has variance at most ``(M / s)**2 / (4 W)``. ``bits`` in [1, 16].
 
-    ``scale`` (stock optimizer only; ``hvdcomp.DistributedOptimizer`` overlaps the exact exchange itself):
+    ``scale``:
 
-    - ``"ahead"`` (default): ``M`` is the max agreed at the gradient's previous exchange, carried with
-      that exchange's payload, so the payload travels in the carrier Horovod all-reduces during backward
-      and no collective blocks. An element above ``M`` is sent as ``sign * M`` and its excess is kept in a
-      per-worker memory and sent with the next step (delayed, never lost; that step is biased towards
-      zero by the excess). Without clipping a step is unbiased with variance at most ``(M / s)**2 / 4``
-      for the previous step's ``M``: more than the exact mode's when the gradient shrank, less when it
-      grew. The first exchange of a gradient (and any without an agreed scale: a new size, a state
-      without one, the step after a NaN/Inf) is exact. Carrier: float64 words of ``carrier.word_bits(W)``
-      bits (8 bits per element for 4 bits at W = 2) plus ``W`` slots per scale group.
-    - ``"exact"``: this step's ``M``, from a blocking MAX round in ``synchronize()`` batched over every
-      gradient, then an int64 SUM of the packed levels; unbiased every step, no overlap with backward.
+    - ``"ahead"`` (default): ``M`` is the max agreed at the gradient's previous exchange: no collective
+      precedes the payload. The stock optimizer carries the max with the payload Horovod all-reduces during
+      backward; ``hvdcomp.DistributedOptimizer`` and the DDP hook (``exchange="lanes"``) send a small MAX
+      after each bucket's payload (``hvdcomp.exchange.ahead``). An element above ``M`` is sent as
+      ``sign * M``; its excess stays in a per-worker memory, sent with the next step (delayed, never lost;
+      that step is biased towards zero by it). Without clipping a step is unbiased with variance at most
+      ``(M / s)**2 / 4`` for the previous step's ``M``. A gradient's first exchange (and any without an agreed
+      scale: a new size, the step after a NaN/Inf) is exact. Stock carrier: float64 words of
+      ``carrier.word_bits(W)`` bits (8 bits per element for 4 bits at W = 2) plus ``W`` slots per scale group.
+    - ``"exact"``: this step's ``M``, from a MAX round before the payload (in the stock optimizer, blocking,
+      in ``synchronize()``, batched over every gradient); unbiased every step.
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
@@ -373,10 +374,10 @@ class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
 
 def bucket_codec(compression: Any, exchange: str = "lanes", workers_per_node: int = 1) -> BucketCodec:
     """The bucket codec for a ``compression=`` argument: ``None`` or Horovod's ``Compression.none`` ->
-    ``NoCompression``; ``Compression.fp16`` -> ``FP16``; an hvdcomp compressor -> its ``MaxNormCodec``
-    (packed levels moved as int64 SUM), or with ``exchange`` ``"auto"`` / ``"two_stage"`` a
-    ``TwoStageMaxNorm`` around it (``workers_per_node`` share an uplink in each exchange); a ``BucketCodec``
-    (``PowerSGD``, ``FP16(...)``, ``TwoStageMaxNorm(...)``, ...) as it is."""
+    ``NoCompression``; ``Compression.fp16`` -> ``FP16``; an hvdcomp compressor -> its ``MaxNormCodec`` (int64
+    SUM of packed levels; in an ``AheadMaxNorm`` with ``scale="ahead"``), or with ``exchange`` ``"auto"`` /
+    ``"two_stage"`` (exact scale) a ``TwoStageMaxNorm`` around it (``workers_per_node`` share an uplink in each
+    exchange); a ``BucketCodec`` (``PowerSGD``, ``FP16(...)``, ``TwoStageMaxNorm(...)``, ...) as it is."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if isinstance(compression, MaxNormCompressor) and exchange != "lanes":
@@ -389,7 +390,7 @@ def bucket_codec(compression: Any, exchange: str = "lanes", workers_per_node: in
     if compression is Compression.fp16:
         return FP16()
     if isinstance(compression, MaxNormCompressor):
-        return compression.codec
+        return AheadMaxNorm(compression.codec) if compression.scale == "ahead" else compression.codec
     if isinstance(compression, BucketCodec):
         return compression
     raise TypeError(

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..codec import carrier
+from ..codec.agreed import AgreedScales
 from ..codec.quantize import MaxNormQuantizer
 
 SCALE_MODES = ("ahead", "exact")
@@ -71,36 +72,22 @@ class ScaleAhead:
         if quantizer.multiscale:
             raise ValueError("scale='ahead' needs a single resolution: the multi-scale agreement is a round of its own")
         self.quantizer = quantizer
-        self._scales: dict[Hashable, tuple[int, int, torch.Tensor]] = {}  # key -> (numel, W, stats [G + 1])
-        self._excess: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (indices, excess values)
-        self._work: dict[Hashable, torch.Tensor] = {}  # gradient + excess, reused every step
+        self.memory = AgreedScales()
         self._carriers: dict[Hashable, torch.Tensor] = {}  # the carrier buffer, reused every step
 
     def ready(self, key: Hashable, numel: int, world_size: int) -> bool:
         """Whether ``key`` has a scale agreed for an exchange of ``numel`` elements over ``world_size`` workers."""
-        agreed = self._scales.get(key)
-        return agreed is not None and agreed[:2] == (numel, world_size)
+        return self.memory.scales(key, numel, world_size) is not None
 
     def with_excess(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` plus the excess clipped from ``key``'s earlier steps (``flat`` itself when there is none,
-        else a buffer reused every step); ``flat`` is never written."""
-        excess = self._excess.get(key)
-        if excess is None or excess[0].numel() == 0:
-            return flat
-        work = self._work.get(key)
-        if work is None or work.numel() != flat.numel() or work.device != flat.device:
-            work = self._work[key] = torch.empty_like(flat)
-        indices, values = excess
-        return work.copy_(flat).index_add_(0, indices.to(flat.device), values.to(flat.device))
+        """``flat`` plus the excess clipped from ``key``'s earlier steps (``AgreedScales.with_excess``)."""
+        return self.memory.with_excess(key, flat)
 
     def agree(self, key: Hashable, numel: int, world_size: int, stats: torch.Tensor) -> None:
         """Record the MAX-reduced ``local_stats`` of an exact exchange of ``key`` as its next agreed scale
         (or forget it after a non-finite step), and drop the excess that exchange sent."""
-        if self.quantizer.saw_nonfinite(stats):
-            self._scales.pop(key, None)
-            return
-        self._excess.pop(key, None)
-        self._scales[key] = (numel, world_size, torch.cat([stats[:-1].float(), stats.new_zeros(1)]))
+        if self.memory.agree(key, numel, world_size, stats):
+            self.memory.keep_excess(key, None)
 
     def start(self, key: Hashable, values: torch.Tensor, world_size: int, rank: int, tag: int,
               rounding: torch.Tensor) -> tuple[torch.Tensor, AheadExchange]:
@@ -108,7 +95,7 @@ class ScaleAhead:
         scale, and the exchange's context. The carrier is a buffer of ``key`` reused every step."""
         quantizer = self.quantizer
         numel = values.numel()
-        _, _, stats = self._scales[key]
+        stats = self.memory.scales(key, numel, world_size)
         groups = quantizer.scale_groups(numel)
         local = quantizer.local_stats(values, groups)
         finite = not quantizer.saw_nonfinite(local)
@@ -126,20 +113,8 @@ class ScaleAhead:
         rows = buffer[carrier.HEADER + words.numel():].view(world_size, local.numel())
         rows.zero_()
         rows[rank] = local
-        excess = self._clipped(values, local, stats, groups) if finite else None
+        excess = self.memory.clipped(values, local, stats, groups) if finite else None
         return buffer, AheadExchange(key, numel, world_size, tag, groups, stats, words.numel(), excess)
-
-    def _clipped(self, values: torch.Tensor, local: torch.Tensor, stats: torch.Tensor,
-                 groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 indices, float32 excess beyond the agreed scale) of the elements of ``values`` above it."""
-        scales = stats[:-1]
-        if not bool((local[:-1] > scales).any()):
-            return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
-        limit = scales if groups.numel() <= 1 else scales.repeat_interleave(groups.to(values.device))
-        indices = (values.abs() > limit.expand_as(values)).nonzero().squeeze(1)
-        picked = values[indices]
-        bound = limit.expand_as(values)[indices]
-        return indices, picked - picked.clamp(-bound, bound)
 
     def finish(self, exchange: AheadExchange, reduced: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
         """From the reduced carrier: float32 ``[numel]`` mean over the workers of their decoded values (all
@@ -150,27 +125,17 @@ class ScaleAhead:
         word_sums, averaged = carrier.unwrap(reduced[:end], world_size, exchange.tag)
         # every element of the carrier was scaled alike: the canary (reduced to c * W) recovers the sums
         rows = (reduced[end:] * (world_size / reduced[0])).view(world_size, -1)
-        agreed = rows.amax(dim=0).float()
-        finite = not quantizer.saw_nonfinite(agreed)
-        if not finite:
-            self._scales.pop(exchange.key, None)
+        if not self.memory.agree(exchange.key, exchange.numel, world_size, rows.amax(dim=0)):
             mean = torch.full((exchange.numel,), float("nan"), device=reduced.device)
             return mean, averaged, False
         mean = quantizer.decode(word_sums, exchange.stats, exchange.groups, None, exchange.numel, world_size,
                                 carrier.word_bits(world_size))
-        agreed[-1] = 0.0
-        self._scales[exchange.key] = (exchange.numel, world_size, agreed)
-        if exchange.excess is not None and exchange.excess[0].numel():
-            self._excess[exchange.key] = exchange.excess
-        else:
-            self._excess.pop(exchange.key, None)
+        self.memory.keep_excess(exchange.key, exchange.excess)
         return mean, averaged, True
 
     def state_dict(self) -> dict[str, Any]:
         """The agreed scales and the excess memory (what a resumed run needs to continue exactly)."""
-        return {"scales": {key: (numel, size, stats.clone()) for key, (numel, size, stats) in self._scales.items()},
-                "excess": {key: (indices.clone(), values.clone()) for key, (indices, values) in self._excess.items()}}
+        return self.memory.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scales = {key: (numel, size, stats.clone()) for key, (numel, size, stats) in state["scales"].items()}
-        self._excess = {key: (indices.clone(), values.clone()) for key, (indices, values) in state["excess"].items()}
+        self.memory.load_state_dict(state)

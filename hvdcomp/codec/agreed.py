@@ -1,0 +1,85 @@
+"""Scales agreed one exchange ahead, and the excess of the elements clipped to them (no collectives).
+
+A max-norm exchange with its scale agreed ahead quantizes with the scale ``M`` every worker agreed at
+the tensor's previous exchange, so it needs no MAX round before its payload. An element above ``M`` is
+sent as ``sign(x) * M`` and its excess ``x - sign(x) * M`` stays with this worker, added to the tensor's
+next values (delayed, never lost). ``AgreedScales`` keeps both per key; the protocols that carry the
+next scale live above (``hvdcomp.exchange.ahead``, ``hvdcomp.integrations.scale_ahead``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from .quantize import MaxNormQuantizer
+
+
+class AgreedScales:
+    """Per key: the agreed stats (float32 ``[G + 1]``: a scale per group, then 0) for an exchange of
+    ``numel`` elements over ``W`` workers, and the clipped excess (int64 indices, float32 values)."""
+
+    def __init__(self) -> None:
+        self._scales: dict[Hashable, tuple[int, int, torch.Tensor]] = {}
+        self._excess: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._work: dict[Hashable, torch.Tensor] = {}  # values + excess, reused every step
+
+    def scales(self, key: Hashable, numel: int, world_size: int) -> torch.Tensor | None:
+        """The stats agreed for ``key``'s exchange of ``numel`` elements over ``world_size`` workers, or None."""
+        agreed = self._scales.get(key)
+        return agreed[2] if agreed is not None and agreed[:2] == (numel, world_size) else None
+
+    def with_excess(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` plus the excess clipped from ``key``'s earlier exchanges (``flat`` itself when there is
+        none, else a buffer reused every step); ``flat`` is never written."""
+        excess = self._excess.get(key)
+        if excess is None or excess[0].numel() == 0:
+            return flat
+        work = self._work.get(key)
+        if work is None or work.numel() != flat.numel() or work.device != flat.device:
+            work = self._work[key] = torch.empty_like(flat)
+        indices, values = excess
+        return work.copy_(flat).index_add_(0, indices.to(flat.device), values.to(flat.device))
+
+    def agree(self, key: Hashable, numel: int, world_size: int, reduced: torch.Tensor) -> bool:
+        """Record the MAX-reduced ``local_stats`` of ``key``'s exchange as its next agreed scale; after a
+        step in which a worker saw NaN/Inf, forget it instead (the next exchange is exact). Returns
+        whether every worker's values were finite."""
+        if MaxNormQuantizer.saw_nonfinite(reduced):
+            self._scales.pop(key, None)
+            return False
+        stats = torch.cat([reduced[:-1].float(), reduced.new_zeros(1, dtype=torch.float32)])
+        self._scales[key] = (numel, world_size, stats)
+        return True
+
+    @staticmethod
+    def clipped(values: torch.Tensor, local: torch.Tensor, stats: torch.Tensor,
+                groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 indices, float32 excess beyond the agreed scale) of the elements of flat ``values`` above
+        it; ``local`` is ``values``'s own ``local_stats``, ``stats`` the agreed ones, over ``groups``."""
+        scales = stats[:-1]
+        if not bool((local[:-1] > scales).any()):
+            return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
+        limit = scales if groups.numel() <= 1 else scales.repeat_interleave(groups.to(values.device))
+        indices = (values.abs() > limit.expand_as(values)).nonzero().squeeze(1)
+        picked = values[indices]
+        bound = limit.expand_as(values)[indices]
+        return indices, picked - picked.clamp(-bound, bound)
+
+    def keep_excess(self, key: Hashable, excess: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """What this worker still owes for ``key``: ``excess`` from ``clipped``, or None once all was sent."""
+        if excess is not None and excess[0].numel():
+            self._excess[key] = excess
+        else:
+            self._excess.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The agreed scales and the excess memory (what a resumed run needs to continue exactly)."""
+        return {"scales": {key: (numel, size, stats.clone()) for key, (numel, size, stats) in self._scales.items()},
+                "excess": {key: (indices.clone(), values.clone()) for key, (indices, values) in self._excess.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scales = {key: (numel, size, stats.clone()) for key, (numel, size, stats) in state["scales"].items()}
+        self._excess = {key: (indices.clone(), values.clone()) for key, (indices, values) in state["excess"].items()}

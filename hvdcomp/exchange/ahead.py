@@ -1,0 +1,103 @@
+"""``AheadMaxNorm``: QSGD's bucket exchange with the scale agreed one exchange ahead (no round before the payload).
+
+With the scale every worker agreed at the bucket's previous exchange, a worker quantizes its values at
+once and sends the payload; the MAX of this step's local statistics follows the payload and becomes the
+next exchange's scale. So a bucket's payload can start as soon as its gradients are complete, queued
+right behind the previous bucket's, and the wire does not wait for a MAX round and an encode between
+buckets. Requests:
+
+- with an agreed scale: ``Op.PAYLOAD`` of the packed levels, then ``Op.MAX`` of this worker's
+  ``local_stats`` (float32 ``[G + 1]``: max ``|x|`` per scale group, NaN/Inf flag);
+- without one (a bucket's first exchange, a new size or world size, a resumed state without one, the
+  step after a NaN/Inf): the exact exchange of ``MaxNormCodec`` (``Op.MAX`` then ``Op.PAYLOAD``), whose
+  MAX seeds the agreed scale.
+
+An element above the agreed scale ``M`` is sent as ``sign(x) * M`` and its excess stays in this worker's
+memory, added to the bucket's next values (``hvdcomp.codec.agreed``): delayed, never lost. Bias and
+variance are those of the stock path's ``scale="ahead"`` (``hvdcomp.integrations.scale_ahead``). If any
+worker's values hold NaN/Inf, every worker learns it from the MAX after the payload and returns all-NaN,
+with a warning; the excess memory is left as it was and the next exchange is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..codec.agreed import AgreedScales
+from ..codec.packing import INT64_WORD_BITS
+from .bucket import ElementwiseCodec, Segments
+from .elementwise import MaxNormCodec, warn_nonfinite
+from .protocol import Exchange, Op, relay
+
+
+class AheadMaxNorm(ElementwiseCodec):
+    """``lanes`` (one resolution, every coordinate) with the scale agreed one exchange ahead (see the module
+    docstring). Its rounding streams, rank and configuration are ``lanes``'s."""
+
+    def __init__(self, lanes: MaxNormCodec) -> None:
+        if lanes.quantizer.multiscale or lanes.selector is not None:
+            raise ValueError("a scale agreed ahead needs a single resolution and every coordinate (QSGDMaxNorm): "
+                             "the multi-scale agreement and shared coordinates take the exact exchange")
+        self.lanes = lanes
+        self.memory = AgreedScales()
+
+    def bind_rank(self, rank: int) -> None:
+        self.lanes.bind_rank(rank)
+
+    def config(self) -> tuple:
+        """What every worker must share: ``lanes``'s configuration, and that the scale is agreed ahead."""
+        return (*self.lanes.config(), "ahead")
+
+    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
+                 word_bits: int = INT64_WORD_BITS) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory."""
+        layout = Segments.of(segments, key)
+        if sum(layout) != flat.numel():
+            raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
+        return self._exchange(flat, layout, key, step, world_size, word_bits)
+
+    def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
+                  word_bits: int) -> Exchange:
+        memory, quantizer = self.memory, self.lanes.quantizer
+        numel = flat.numel()
+        values = memory.with_excess(key, flat)
+        groups = quantizer.scale_groups(numel, layout)
+        stats = memory.scales(key, numel, world_size)
+        if stats is None or stats.numel() != groups.numel() + 1:
+            def seed(op: Op, reduced: torch.Tensor) -> torch.Tensor:
+                if op is Op.MAX and memory.agree(key, numel, world_size, reduced):
+                    memory.keep_excess(key, None)  # this exchange sends it
+                return reduced
+
+            exact = self.lanes.exchange(values, layout, key, step, world_size, word_bits)
+            return (yield from relay(exact, lambda op, tensor: (op, tensor), seed))
+
+        local = quantizer.local_stats(values, groups)
+        finite = not quantizer.saw_nonfinite(local)
+        if not finite:
+            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        excess = memory.clipped(values, local, stats, groups) if finite else None
+        rounding = self.lanes.rounding_stream(key, step, flat.device)
+        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, None, world_size, word_bits, rounding)
+        mean = quantizer.decode(word_sums, stats, groups, None, numel, world_size, word_bits)
+        reduced = yield Op.MAX, local  # the next exchange's scale
+        if not memory.agree(key, numel, world_size, reduced):
+            warn_nonfinite(key, step)
+            return mean.fill_(float("nan"))
+        memory.keep_excess(key, excess)
+        return mean
+
+    def state_dict(self) -> dict[str, Any]:
+        """``lanes``'s state, the agreed scales and the excess memory."""
+        return {"lanes": self.lanes.state_dict(), "agreed": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads ``state_dict()``'s output, or a ``MaxNormCodec``'s (saved with ``scale="exact"``): then no scale
+        is agreed yet and each bucket's next exchange is exact."""
+        if "agreed" not in state:
+            state = {"lanes": state, "agreed": AgreedScales().state_dict()}
+        self.lanes.load_state_dict(state["lanes"])
+        self.memory.load_state_dict(state["agreed"])
