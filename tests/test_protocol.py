@@ -9,7 +9,7 @@ from hvdcomp.codec.selection import RandomCoordinateSelector
 from hvdcomp.exchange.bucket import Segments
 from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
 from hvdcomp.exchange.hierarchy import hierarchical_elementwise
-from hvdcomp.exchange.protocol import Op
+from hvdcomp.exchange.protocol import Op, relay
 from hvdcomp.exchange.simulator import simulate
 
 TILES = 8000  # draws per element: 16 elements x 8000 tiles = 128k draws per scheme
@@ -181,6 +181,38 @@ def test_alltoall_and_fp16_sum_each_chunk_once_at_float32():
         outputs = simulate([FP16().exchange(g, [numel], "b", 0, 3) for g in grads])
         want = sum(g.half().float() for g in grads).half().float() / 3
         assert all(torch.equal(out, want) for out in outputs)
+
+
+class _Transport:
+    def __init__(self, rank, sums_float16=None):
+        self.rank = rank
+        if sums_float16 is not None:
+            self.sums_float16 = sums_float16
+
+
+@pytest.mark.parametrize("sums_float16", [None, False, True])
+def test_fp16_asks_for_a_float16_sum_only_where_the_transport_has_a_fast_one(sums_float16):
+    """Over torch.distributed (``sums_float16``) one SUM of the float16 bucket, as DDP's fp16 hook sends it;
+    elsewhere the all-to-all and the all-gather. The error feedback is the same either way."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(301, generator=gen) for _ in range(3)]
+    codecs = [FP16(error_feedback=True) for _ in range(3)]
+    for rank, codec in enumerate(codecs):
+        codec.bind_transport(_Transport(rank, sums_float16))
+    ops = []
+    exchanges = [c.exchange(g, [301], "b", 0, 3) for c, g in zip(codecs, grads)]
+    exchanges[0] = relay(exchanges[0], lambda op, t: (ops.append((op, t.dtype, t.numel())), (op, t))[1])
+    outputs = simulate(exchanges)
+    if sums_float16:
+        assert ops == [(Op.SUM, torch.float16, 301)]
+    else:
+        assert ops == [(Op.ALLTOALL, torch.float16, 303), (Op.ALLGATHER, torch.float16, 101)]
+    want = sum(g.half().float() for g in grads) / 3
+    for out in outputs:
+        assert torch.equal(out, outputs[0])
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+    for codec, grad in zip(codecs, grads):  # what rounding to float16 lost
+        assert torch.equal(codec.memory.residual("b", grad), grad - grad.half().float())
 
 
 @pytest.mark.parametrize("numel", [0, 1])

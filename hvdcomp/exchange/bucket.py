@@ -85,6 +85,12 @@ class BucketCodec(ABC):
         """Called by the entry point with this worker's rank before its first exchange; codecs with
         per-worker randomness seed it from the rank. The default does nothing."""
 
+    def bind_transport(self, transport: Any) -> None:
+        """Called by the entry points before the first exchange with the transport that carries it (a
+        ``protocol.Transport``): binds ``transport.rank`` (``bind_rank``). Codecs that choose their requests
+        by what the transport does well (``FP16``) also read it here."""
+        self.bind_rank(transport.rank)
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly (each worker saves its own)."""

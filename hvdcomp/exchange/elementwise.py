@@ -47,11 +47,13 @@ class NoCompression(ElementwiseCodec):
 class FP16(ElementwiseCodec):
     """Float16 sum over the workers (Horovod's fp16 compression), 16 bits per element on the wire.
 
-    Sent as a reduce-scatter and an all-gather: ``Op.ALLTOALL`` of the float16 bucket (padded to a
-    multiple of W) gives each worker one chunk from every worker, which it sums at float32 and rounds
-    to float16 once, then ``Op.ALLGATHER`` of the float16 chunk sums. The bytes of a ring all-reduce,
-    but the sum is vectorized torch rather than Gloo's element-by-element float16 arithmetic on CPU
-    (slower than its float32 sum); every worker gets the same sums, each rounded once.
+    Over a transport that sums float16 at the wire's rate (``sums_float16``: torch.distributed's Gloo and
+    NCCL, as DDP's fp16 hook uses them), one ``Op.SUM`` of the float16 bucket (the backend's rounding: a
+    ring rounds each partial sum). Otherwise (Horovod, whose Gloo path sums float16 one element at a time
+    in software, and MPI) a reduce-scatter and an all-gather: ``Op.ALLTOALL`` of the float16 bucket
+    (padded to a multiple of W) gives each worker one chunk from every worker, which it sums at float32
+    and rounds to float16 once, then ``Op.ALLGATHER`` of the float16 chunk sums: the bytes of a ring
+    all-reduce, the sum vectorized torch. Either way every worker gets the same sums.
 
     With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
     Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose
@@ -61,7 +63,12 @@ class FP16(ElementwiseCodec):
 
     def __init__(self, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None
+        self.sums_float16 = False  # the transport's (bind_transport)
         self._sends: dict[Hashable, torch.Tensor] = {}  # per bucket: the padded float16 request, reused
+
+    def bind_transport(self, transport: Any) -> None:
+        super().bind_transport(transport)
+        self.sums_float16 = bool(getattr(transport, "sums_float16", False))
 
     def _send_buffer(self, key: Hashable, size: int, device: torch.device) -> torch.Tensor:
         send = self._sends.get(key)
@@ -72,8 +79,8 @@ class FP16(ElementwiseCodec):
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
         numel = flat.numel()
-        chunk = -(-numel // world_size)
-        send = self._send_buffer(key, chunk * world_size, flat.device)
+        chunk = numel if self.sums_float16 else -(-numel // world_size)
+        send = self._send_buffer(key, chunk * (1 if self.sums_float16 else world_size), flat.device)
         half = send[:numel]
         residual = None
         if self.memory is None:
@@ -81,12 +88,15 @@ class FP16(ElementwiseCodec):
         else:
             residual = self.memory.residual(key, flat)
             torch.add(residual, flat, out=half)  # rounded once
-        received = yield Op.ALLTOALL, send  # [W * chunk]: my chunk of every worker's, by rank
-        rows = received.view(world_size, chunk)
-        partial = rows[0].float()
-        for row in rows[1:]:  # over the workers
-            partial.add_(row)
-        total = yield Op.ALLGATHER, partial.half()
+        if self.sums_float16:
+            total = yield Op.SUM, send
+        else:
+            received = yield Op.ALLTOALL, send  # [W * chunk]: my chunk of every worker's, by rank
+            rows = received.view(world_size, chunk)
+            partial = rows[0].float()
+            for row in rows[1:]:  # over the workers
+                partial.add_(row)
+            total = yield Op.ALLGATHER, partial.half()
         mean = total[:numel].float().div_(world_size)
         if residual is not None and bool(torch.isfinite(mean).all()):  # what rounding to float16 lost
             residual.add_(flat).sub_(half)

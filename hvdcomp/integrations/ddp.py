@@ -336,7 +336,7 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
         raise ValueError(f"hierarchical=True needs the default process group and equal nodes of consecutive ranks "
                          f"(LOCAL_WORLD_SIZE {transport.local_size} of {transport.size} workers, not the same on "
                          "every node, or a smaller group); pass hierarchical=False")
-    codec.bind_rank(transport.rank)
+    codec.bind_transport(transport)
     state = CompressionState(codec, transport, hierarchical, bucket_size_mb, list(ddp_model.parameters()))
     ddp_model.register_comm_hook(state, compression_hook)
     return state

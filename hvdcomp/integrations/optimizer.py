@@ -122,7 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         per_node = 1 if self._hierarchical else self._transport.local_size  # workers sharing an uplink in an exchange
         self._codec = claim_codec(bucket_codec(compression, exchange, per_node), self)
-        self._codec.bind_rank(self._transport.rank)
+        self._codec.bind_transport(self._transport)
         remember_fresh_codec(self)
         if self._hierarchical:
             check_hierarchical(self._transport)

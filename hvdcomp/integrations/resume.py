@@ -42,7 +42,7 @@ def remember_fresh_codec(optimizer: Any) -> None:
 def reset_codec(optimizer: Any) -> None:
     """The codec as at construction, bound to this worker's current rank."""
     optimizer._codec.load_state_dict(copy.deepcopy(optimizer._fresh_codec_state))
-    optimizer._codec.bind_rank(optimizer._transport.rank)
+    optimizer._codec.bind_transport(optimizer._transport)
 
 
 def exchange_state(optimizer: Any) -> dict[str, Any]:

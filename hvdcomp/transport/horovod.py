@@ -61,6 +61,7 @@ class HorovodTransport:
     global process set only)."""
 
     blocking = False  # asynchronous, matched across workers by name
+    sums_float16 = False  # its Gloo path sums float16 one element at a time in software
 
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
