@@ -113,14 +113,14 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
 
 
 def _hvdcomp_ddp_codec(variant: str, bits: int | None) -> Any:
-    """The bucket codec of an ``hvdcomp-ddp`` variant, built as the ``hvdcomp`` compressor of the same name
-    builds it (``QSGDMaxNorm``, ``QSGDMaxNormMultiScale``, ``GlobalRandKMaxNorm``: their defaults), without
-    Horovod; ``None`` for ``none`` (``register``'s fp32 mean)."""
+    """The bucket codec of an ``hvdcomp-ddp`` variant, built as ``bucket_codec`` builds it from the ``hvdcomp``
+    compressor of the same name (``QSGDMaxNorm``, ``QSGDMaxNormMultiScale``, ``GlobalRandKMaxNorm``: their
+    defaults), without Horovod; ``None`` for ``none`` (``register``'s fp32 mean)."""
     from hvdcomp import FP16, MaxNormQuantizer, PowerSGD, RandomCoordinateSelector
-    from hvdcomp.exchange import MaxNormCodec
+    from hvdcomp.exchange import AheadMaxNorm, MaxNormCodec
 
-    if bits is not None:
-        return MaxNormCodec(MaxNormQuantizer((bits,)))
+    if bits is not None:  # QSGDMaxNorm's default scale="ahead"
+        return AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((bits,))))
     return {"none": lambda: None, "fp16": FP16,
             "multiscale48": lambda: MaxNormCodec(MaxNormQuantizer((4, 8))),
             "randk1": lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(ratio=0.01)),
