@@ -135,7 +135,7 @@ def test_uncompressed_matches_horovod_and_every_scheme_trains_np2():
 def test_two_emulated_nodes_flat_and_hierarchical():
     names = ["none", "qsgd8", "multiscale", "randk", "fp16", "powersgd2"]
     results = run_function(_flat_worker, np=4, hosts=EMULATED_NODES, init_kwargs={"process_sets": "dynamic"},
-                           kwargs={"names": names, "steps": 12, "hierarchical_too": True}, timeout=400)
+                           kwargs={"names": names, "steps": 8, "hierarchical_too": True}, timeout=400)
     baseline = _final_loss(results, ("none", False))
     for name in names:
         flat, hier = (name, False), (name, True)

@@ -149,6 +149,12 @@ def _assert_replicas_identical(results, key):
             assert torch.equal(a, b), f"{key}: rank {rank} differs from rank 0"
 
 
+def _per_codec(worker, codecs, **kwargs):
+    """``worker(codec, **kwargs)`` for each of ``codecs`` in one launch (one horovodrun for several
+    compressors): {codec: its result}."""
+    return {codec: worker(codec, **kwargs) for codec in codecs}
+
+
 def _rank_tracebacks(message):
     """{rank: traceback text} from a harness failure message."""
     body = message.split("----- launcher output")[0]
@@ -197,10 +203,11 @@ def _check_branch_results(results, codec):
         assert max(r["errors"]) <= _TOLERANCE[codec], (rank, r["errors"])
 
 
-@pytest.mark.parametrize("codec", ["qsgd8", "multiscale", "powersgd"])
-def test_01_param_used_on_one_rank_only(codec):
-    results = run_function(_branch_worker, np=2, kwargs={"codec": codec}, timeout=TIMEOUT)
-    _check_branch_results(results, codec)
+def test_01_param_used_on_one_rank_only():
+    codecs = ["qsgd8", "multiscale", "powersgd"]
+    results = run_function(_per_codec, np=2, kwargs={"worker": _branch_worker, "codecs": codecs}, timeout=TIMEOUT)
+    for codec in codecs:
+        _check_branch_results([r[codec] for r in results], codec)
 
 
 def test_01_param_used_on_one_rank_only_hierarchical():
@@ -427,9 +434,14 @@ def _same_params(results, key):
     return all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][key], r[key]))
 
 
-@pytest.mark.parametrize("codec", ["none", "qsgd8"])
-def test_04_step_after_synchronize_warns_and_resynchronizes(codec):
-    results = run_function(_step_after_synchronize_worker, np=2, kwargs={"codec": codec}, timeout=TIMEOUT)
+def test_04_step_after_synchronize_warns_and_resynchronizes():
+    per_codec = run_function(_per_codec, np=2, kwargs={"worker": _step_after_synchronize_worker,
+                                                       "codecs": ["none", "qsgd8"]}, timeout=TIMEOUT)
+    for codec in ("none", "qsgd8"):
+        _check_step_after_synchronize([r[codec] for r in per_codec], codec)
+
+
+def _check_step_after_synchronize(results, codec):
     assert all(r["horovod.warnings"] == [HOROVOD_STEP_WARNING] for r in results)  # the pinned Horovod's text
     problems = []
     for rank, r in enumerate(results):
@@ -448,7 +460,7 @@ def test_04_step_after_synchronize_warns_and_resynchronizes(codec):
                     if not torch.allclose(ours, ref, rtol=1e-5, atol=1e-6):
                         problems.append("the parameters differ from Horovod's after the same sequence")
                         break
-    assert not problems, "\n".join(problems)
+    assert not problems, codec + ":\n" + "\n".join(problems)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -480,14 +492,22 @@ def _two_optimizers_worker(codec):
     return out
 
 
-@pytest.mark.parametrize("codec", ["none", "qsgd8_ahead"])
-def test_05_two_optimizers_one_backward(codec):
-    results = run_function(_two_optimizers_worker, np=2, kwargs={"codec": codec}, timeout=TIMEOUT)
-    _assert_replicas_identical(results, "ours")
-    if codec == "none":
-        for r in results:
-            for ours, ref in zip(r["ours"], r["horovod"]):
-                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+def _check_against_horovod(worker):
+    """``worker`` with plain all-reduce and with QSGD (the scale agreed ahead), in one launch: identical
+    replicas, and the plain all-reduce matches Horovod's optimizer."""
+    per_codec = run_function(_per_codec, np=2, kwargs={"worker": worker, "codecs": ["none", "qsgd8_ahead"]},
+                             timeout=TIMEOUT)
+    for codec in ("none", "qsgd8_ahead"):
+        results = [r[codec] for r in per_codec]
+        _assert_replicas_identical(results, "ours")
+        if codec == "none":
+            for r in results:
+                for ours, ref in zip(r["ours"], r["horovod"]):
+                    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_05_two_optimizers_one_backward():
+    _check_against_horovod(_two_optimizers_worker)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -892,14 +912,8 @@ def _detach_worker(codec):
     return {"ours": _params(model), "horovod": _params(reference)}
 
 
-@pytest.mark.parametrize("codec", ["none", "qsgd8_ahead"])
-def test_12_close_and_context_manager_detach_hooks(codec):
-    results = run_function(_detach_worker, np=2, kwargs={"codec": codec}, timeout=TIMEOUT)
-    _assert_replicas_identical(results, "ours")
-    if codec == "none":
-        for r in results:
-            for ours, ref in zip(r["ours"], r["horovod"]):
-                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+def test_12_close_and_context_manager_detach_hooks():
+    _check_against_horovod(_detach_worker)
 
 
 # --------------------------------------------------------------------------------------------------
