@@ -79,8 +79,8 @@ class FP16(ElementwiseCodec):
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
         numel = flat.numel()
-        chunk = numel if self.sums_float16 else -(-numel // world_size)
-        send = self._send_buffer(key, chunk * (1 if self.sums_float16 else world_size), flat.device)
+        padded = numel if self.sums_float16 else -(-numel // world_size) * world_size  # all-to-all: W equal parts
+        send = self._send_buffer(key, padded, flat.device)
         half = send[:numel]
         residual = None
         if self.memory is None:
@@ -92,7 +92,7 @@ class FP16(ElementwiseCodec):
             total = yield Op.SUM, send
         else:
             received = yield Op.ALLTOALL, send  # [W * chunk]: my chunk of every worker's, by rank
-            rows = received.view(world_size, chunk)
+            rows = received.view(world_size, -1)
             partial = rows[0].float()
             for row in rows[1:]:  # over the workers
                 partial.add_(row)
