@@ -8,8 +8,9 @@ import warnings
 import pytest
 import torch
 
-from hvdcomp.codec.onebit import binarize, signs_from_direction, unbiased_direction
+from hvdcomp.codec.onebit import binarize, bits_to_signs, draw_bits
 from hvdcomp.codec.packing import LaneLayout, bits_to_bytes, bytes_to_bits
+from hvdcomp.codec.random import stream_words
 from hvdcomp.exchange.cost import choose_inter_node
 from hvdcomp.exchange.hierarchy import shard_length
 from hvdcomp.exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
@@ -35,25 +36,33 @@ def _z_scores(errors):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_u_is_unbiased_for_z_and_uses_only_its_generator():
-    z = torch.tensor([-1.0, -0.7, -0.3, 0.0, 0.2, 0.5, 0.9, 1.0])
-    draws = 25_000  # x 8 elements = 200k draws
+def test_u_is_unbiased_for_z_and_leaves_the_global_rng_alone():
+    """u = +-1 with E[u] = z = m / b and Var(u) = 1 - z**2; b == 0 (m == 0) is a fair coin; |m| = b is certain."""
+    m = torch.tensor([-1.0, -0.7, -0.3, 0.0, 0.0, 0.2, 0.5, 0.9, 1.0]) * 0.25
+    b = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]) * 0.25
+    z = torch.where(b > 0, m / b.clamp_min(1e-30), 0.0)
+    draws = 25_000  # x 9 elements = 225k draws
     rng_before = torch.get_rng_state()
-    u = signs_from_direction(z.repeat(draws), torch.Generator().manual_seed(7)).view(draws, -1)
+    bits = draw_bits(m.repeat(draws), b.repeat(draws), stream_words(0, 7), torch.zeros(9 * draws, dtype=torch.bool))
+    u = bits_to_signs(bits).view(draws, -1)
     assert torch.equal(torch.get_rng_state(), rng_before)  # the global RNG is untouched
     assert set(u.unique().tolist()) <= {-1.0, 1.0}
     assert torch.all(u[:, 0] == -1) and torch.all(u[:, -1] == 1)  # z = +-1 is deterministic
     inner = (u[:, 1:-1] - z[1:-1]).double()
     assert _z_scores(inner).max() < Z_MAX
-    # and the variance is that of a +-1 variable with mean z
-    torch.testing.assert_close(inner.var(dim=0), (1 - z[1:-1] ** 2).double(), rtol=0.03, atol=0.0)
+    # and the variance is that of a +-1 variable with mean z (within Z_MAX standard errors of the estimate)
+    zi, p = z[1:-1].double(), (1 + z[1:-1].double()) / 2
+    variance = 1 - zi**2
+    fourth_moment = p * (1 - zi) ** 4 + (1 - p) * (1 + zi) ** 4
+    standard_error = ((fourth_moment - variance**2) / draws).sqrt()
+    assert ((inner.pow(2).mean(dim=0) - variance).abs() <= Z_MAX * standard_error).all()
 
 
-def test_unbiased_direction_masks_zero_b_and_clamps():
-    m = torch.tensor([0.5, -0.25, 0.0, 1e-30, 1.0000001])
-    b = torch.tensor([1.0, 0.5, 0.0, 0.0, 1.0])
-    z = unbiased_direction(m, b)
-    torch.testing.assert_close(z, torch.tensor([0.5, -0.5, 0.0, 0.0, 1.0]))
+def test_draw_is_certain_where_m_reaches_b_after_rounding():
+    m = torch.tensor([0.3, -0.3, 1.0000001, -1.0000001]).repeat(1000)
+    b = torch.tensor([0.3, 0.3, 1.0, 1.0]).repeat(1000)
+    bits = draw_bits(m, b, stream_words(0, 1), torch.zeros(4000, dtype=torch.bool)).view(1000, 4)
+    assert bits[:, 0].all() and not bits[:, 1].any() and bits[:, 2].all() and not bits[:, 3].any()
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 64, 1001])
@@ -90,10 +99,9 @@ def test_chooser_picks_fewer_bytes():
 
 
 def _worker_bits(z, draws, seed=0):
-    """Each worker's +1 bits for its tiled z, and the generators (continued by the exchange)."""
-    gens = [torch.Generator().manual_seed(seed * 100 + rank) for rank in range(len(z))]
-    bits = [binarize(((zr + 1) / 2).repeat(draws), gen) for zr, gen in zip(z, gens)]
-    return bits, gens
+    """Each worker's +1 bits for its tiled z, and its stream for the exchange's re-binarizations."""
+    bits = [binarize(((zr + 1) / 2).repeat(draws), stream_words(0, seed, rank)) for rank, zr in enumerate(z)]
+    return bits, [stream_words(0, seed, rank, "rebinarize") for rank in range(len(z))]
 
 
 @pytest.mark.parametrize(
@@ -132,7 +140,7 @@ def test_hierarchical_estimator_is_unbiased(world_size, local_size, inter_node):
 def test_one_worker_per_node_is_the_exact_mean():
     world_size, numel = 4, 1000
     bits = [torch.rand(numel, generator=torch.Generator().manual_seed(r)) < 0.3 for r in range(world_size)]
-    gens = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    gens = [stream_words(0, r) for r in range(world_size)]
     exact = torch.stack([b.float() * 2 - 1 for b in bits]).mean(dim=0)
     hier = simulate([hierarchical_one_bit_mean(bits[r], gens[r], 1, 0, world_size, "sum") for r in range(world_size)],
                     local_size=1)
@@ -145,9 +153,9 @@ def test_one_worker_per_node_is_the_exact_mean():
 def test_tiny_vectors(numel, world_size, local_size):
     """Fewer elements than local ranks: some chunks are all padding. (No elements: no collectives.)"""
     with pytest.raises(StopIteration):
-        next(hierarchical_one_bit_mean(torch.ones(0, dtype=torch.bool), None, local_size, 0, 2))
+        next(hierarchical_one_bit_mean(torch.ones(0, dtype=torch.bool), stream_words(0, 0), local_size, 0, 2))
     bits = [torch.ones(numel, dtype=torch.bool) for _ in range(world_size)]
-    gens = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    gens = [stream_words(0, r) for r in range(world_size)]
     outputs = simulate([hierarchical_one_bit_mean(bits[r], gens[r], local_size, r % local_size,
                                                   world_size // local_size) for r in range(world_size)],
                        local_size=local_size)
@@ -158,7 +166,7 @@ def test_exchange_requests_and_chunks():
     """Ops in order and the payload of each, for 2 nodes x 2 with the allgather variant."""
     numel = 21
     bits = torch.ones(numel, dtype=torch.bool)
-    exchange = hierarchical_one_bit_mean(bits, torch.Generator().manual_seed(0), 2, 1, 2, "allgather")
+    exchange = hierarchical_one_bit_mean(bits, stream_words(0, 0), 2, 1, 2, "allgather")
     op, words = next(exchange)
     assert op is Op.LOCAL_SUM and words.dtype == torch.int64 and words.numel() == 1  # 21 lanes of 2 bits
     node_sums = words * 2  # both workers of the node sent all-ones

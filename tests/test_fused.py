@@ -16,7 +16,16 @@ import torch
 from torch._dynamo.utils import counters
 
 from hvdcomp.codec import fused
-from hvdcomp.codec.onebit import gradient_checks, mean_from_counts, mean_from_lane_sums, update_moments, zero_inactive
+from hvdcomp.codec.onebit import (
+    binarize,
+    draw_bits,
+    draw_lane_words,
+    gradient_checks,
+    mean_from_counts,
+    mean_from_lane_sums,
+    update_moments,
+    zero_inactive,
+)
 from hvdcomp.codec.packing import LaneLayout
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
@@ -130,38 +139,49 @@ def test_lane_packing_and_bit_means_fused_equal_eager(world_size):
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, numel)
             assert torch.equal(got[1], torch.stack(values).long().sum(dim=0))
             if low == 0:
-                buffer = torch.full((numel,), 7.0)
+                buffer = torch.full((numel + 63,), 7.0)  # whole words are decoded into it
                 mean = mean_from_lane_sums(word_sums, layout, numel, out=buffer)
                 with fused.eager():
                     assert torch.equal(mean, mean_from_lane_sums(word_sums, layout, numel))
-                assert mean is buffer and torch.equal(mean, mean_from_counts(got[1], world_size))
+                assert mean._base is buffer or not numel  # a view of the buffer (0 elements: no storage)
+                assert torch.equal(mean, mean_from_counts(got[1], world_size))
     with pytest.raises(ValueError):
         mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout.for_levels(1, world_size), 3)
     with pytest.raises(ValueError):
-        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout(1, world_size), 3, out=torch.zeros(2))
+        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout(1, world_size), 3, out=torch.zeros(3))
 
 
-def test_birder_moments_fused_equal_eager():
-    """m, b and the probability of +1 in one pass, into slices of the buffers; b == 0 draws a fair coin."""
+def test_birder_moments_and_draws_fused_equal_eager():
+    """m and b in one pass into slices of the buffers; the draw as bits and as summable lane words, from the
+    counter-based stream: the same bits on both paths, the words are the bits packed; b == 0 draws a fair coin."""
     gen = torch.Generator().manual_seed(3)
     for numel in SIZES:
         grad = torch.randn(numel, generator=gen) * (torch.rand(numel, generator=gen) > 0.2)
         start = [torch.randn(numel + 3, generator=gen), torch.rand(numel + 3, generator=gen) * 2]
-        start[1][: numel // 3] = 0.0  # never active: b == 0
+        start[0][: numel // 3] = start[1][: numel // 3] = 0.0  # never active: m == b == 0
+        rng, layout = stream_words(numel, 5, "draw"), LaneLayout(span=1, world_size=3)
         outputs = []
         for context in (contextlib.nullcontext(), fused.eager()):
-            m, b, prob = start[0].clone(), start[1].clone(), torch.full((numel + 3,), -1.0)
+            m, b = start[0].clone(), start[1].clone()
             with context:
-                update_moments(m[1:-2], b[1:-2], grad, 0.9, prob[1:-2])
-            outputs.append((m, b, prob))
+                update_moments(m[1:-2], b[1:-2], grad, 0.9)
+                bits = draw_bits(m, b, rng, torch.zeros(numel + 3, dtype=torch.bool))
+                words = draw_lane_words(m, b, rng, layout)
+                rebinarized = binarize(torch.full((numel,), 0.25), rng, first=8)
+            outputs.append((m, b, bits, words, rebinarized))
         assert all(torch.equal(g, w) for g, w in zip(*outputs)), numel
-        m, b, prob = outputs[0]
-        assert torch.equal(m[0], start[0][0]) and prob[0] == -1 and prob[-1] == -1  # outside the slices: kept
+        m, b, bits, words, _ = outputs[0]
+        assert torch.equal(m[0], start[0][0]) and torch.equal(b[-1], start[1][-1])  # outside the slices: kept
         inner = slice(1, numel + 1)
         torch.testing.assert_close(m[inner], 0.9 * start[0][inner] + 0.1 * grad, rtol=1e-6, atol=1e-6)
-        assert bool(((prob[inner] >= 0) & (prob[inner] <= 1)).all())
-        assert bool((prob[inner][b[inner] == 0] == 0.5).all())
-
+        assert torch.equal(words, layout.pack(bits.view(torch.uint8), validate=False))
+        v = uniform(numel + 3, rng) * 2 - 1
+        assert torch.equal(bits, (v * b < m) | ((b == 0) & (v < 0)))
+        if numel > 4000:
+            fair = bits[b == 0].float()
+            assert abs(fair.mean().item() - 0.5) < 4.5 * 0.5 / fair.numel() ** 0.5
+    with pytest.raises(ValueError, match="span 1"):
+        draw_lane_words(torch.zeros(3), torch.ones(3), stream_words(0, 0), LaneLayout.for_levels(1, 2))
 
 
 def test_gradient_checks_and_masking_fused_equal_eager():
@@ -236,13 +256,13 @@ FALLBACK_SCRIPT = textwrap.dedent("""
 
     grads = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     codecs = [MaxNormCodec(MaxNormQuantizer((2, 6))) for _ in grads]
-    moments = [[torch.ones(3000), torch.ones(3000), torch.zeros(3000)] for _ in range(2)]
+    moments = [[torch.ones(3000), torch.ones(3000)] for _ in range(2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        update_moments(*moments[0][:2], grads[0], 0.9, moments[0][2])  # in place: fails first, then eager
+        update_moments(*moments[0], grads[0], 0.9)  # in place: fails first, then eager
         got = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]  # 3 kernels, twice
     with fused.eager():
-        update_moments(*moments[1][:2], grads[0], 0.9, moments[1][2])
+        update_moments(*moments[1], grads[0], 0.9)
         want = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]
     ours = [str(w.message) for w in caught if "fused codec kernels" in str(w.message)]
     assert len(ours) == 1, ours

@@ -6,6 +6,7 @@ import torch
 
 from hvdcomp.codec.packing import bits_to_bytes, pack_planes, plane_bytes, unpack_planes
 from hvdcomp.codec.quantize import MaxNormQuantizer
+from hvdcomp.codec.random import stream_words
 from hvdcomp.exchange import MaxNormCodec, Op, simulate
 from hvdcomp.exchange.cost import SCHEMES, choose_exchange, exchange_cost, plain_width, two_stage_row_bytes
 from hvdcomp.exchange.hierarchy import hierarchical_elementwise
@@ -201,10 +202,10 @@ def test_one_bit_two_stage_is_unbiased():
     gen = torch.Generator().manual_seed(0)
     bits = [torch.rand(numel, generator=gen) < torch.linspace(0, 1, numel) for _ in range(world_size)]
     fraction = torch.stack(bits).double().mean(0)
-    generators = [torch.Generator().manual_seed(100 + rank) for rank in range(world_size)]
     draws = []
-    for _ in range(trials):
-        out = simulate([two_stage_one_bit_mean(b, g, world_size) for b, g in zip(bits, generators)])
+    for trial in range(trials):
+        streams = [stream_words(trial, 100, rank) for rank in range(world_size)]
+        out = simulate([two_stage_one_bit_mean(b, s, world_size) for b, s in zip(bits, streams)])
         assert all(torch.equal(o, out[0]) for o in out)
         draws.append(out[0].double())
     mean = torch.stack(draws).mean(0)

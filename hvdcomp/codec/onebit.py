@@ -1,11 +1,18 @@
-"""Birder's 1-bit math: the unbiased direction, binary randomization, and means from counts of +1s.
+"""Birder's 1-bit math: the draw of ±1 values with mean ``z = m / b``, binary randomization, and means from
+counts of +1s.
 
 Pure tensor math, no collectives (the 1-bit exchanges are ``hvdcomp.exchange.onebit``). A ±1 value
 travels as a bit, True (1) for +1.
 
+Draws are counter-based (``hvdcomp.codec.random``): element ``i`` of a draw from the stream ``rng`` (int64
+``[4]`` words of ``stream_words``) is +1 when uniform ``first + i`` of that stream is below its probability, so a
+draw is a pure function of (seed, purpose, rank, step, element): the same bits eagerly or fused, on CPU or GPU,
+in any order, after any resume.
+
 The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks``,
-``update_moments`` (both moments and the probability of +1 in one pass, in place), ``mean_from_lane_sums``
-(unpack and mean) and ``zero_inactive``.
+``update_moments`` (both moments in one pass, in place), ``draw_lane_words`` / ``draw_bits`` (the probability
+of +1, the draw and the lane packing in one pass), ``binarize``, ``mean_from_lane_sums`` (unpack and mean) and
+``zero_inactive``.
 """
 
 from __future__ import annotations
@@ -13,37 +20,23 @@ from __future__ import annotations
 import torch
 
 from .fused import FusedKernel
-from .packing import LaneLayout, unpack_lanes
+from .packing import LaneLayout, pack_lanes, word_lanes
+from .random import uniform
 
 
-def unbiased_direction(m: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``z = m / b`` in [-1, 1], 0 where ``b == 0`` (``|m| <= b`` up to rounding; clamped)."""
-    z = torch.div(m, b, out=out) if out is not None else m / b
-    return z.masked_fill_(b <= 0, 0.0).clamp_(-1.0, 1.0)
-
-
-def plus_probability(m: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(1 + z) / 2`` for ``z = unbiased_direction(m, b)``: the probability of drawing +1."""
-    return unbiased_direction(m, b, out=out).add_(1.0).mul_(0.5)
-
-
-def _update_moments_eager(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float,
-                          prob_out: torch.Tensor) -> None:
-    """``update_moments`` with explicit roundings (no fused multiply-add: fused and eager round alike);
-    ``prob_out`` serves as scratch before it gets the probability."""
-    m.mul_(beta).add_(torch.mul(grad, 1.0 - beta, out=prob_out))
-    b.mul_(beta).add_(torch.abs(grad, out=prob_out).mul_(1.0 - beta))
-    plus_probability(m, b, out=prob_out)
+def _update_moments_eager(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float) -> None:
+    """``update_moments`` with explicit roundings (no fused multiply-add: fused and eager round alike)."""
+    m.mul_(beta).add_(grad * (1.0 - beta))
+    b.mul_(beta).add_(grad.abs().mul_(1.0 - beta))
 
 
 _update_moments = FusedKernel(_update_moments_eager, in_place=True)
 
 
-def update_moments(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float,
-                   prob_out: torch.Tensor) -> None:
+def update_moments(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float) -> None:
     """In place, one fused pass over float32 ``[n]`` buffers (no allocation): ``m <- beta m + (1 - beta) g``,
-    ``b <- beta b + (1 - beta) |g|``, ``prob_out <- plus_probability(m, b)``."""
-    _update_moments(m, b, grad, float(beta), prob_out)
+    ``b <- beta b + (1 - beta) |g|``."""
+    _update_moments(m, b, grad, float(beta))
 
 
 def _all_finite_eager(grad: torch.Tensor) -> torch.Tensor:
@@ -77,23 +70,54 @@ def _zero_inactive_eager(values: torch.Tensor, active: torch.Tensor) -> None:
 zero_inactive = FusedKernel(_zero_inactive_eager, in_place=True)
 
 
-def binarize(prob_plus: torch.Tensor, generator: torch.Generator | None,
-             rand_out: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Bits (True for +1) that are 1 with probability ``prob_plus`` (float, in [0, 1]) each.
-
-    ``rand_out`` / ``out`` are optional preallocated float / bool buffers of ``prob_plus``'s shape.
-    """
-    if rand_out is None:
-        rand = torch.rand(prob_plus.shape, generator=generator, device=prob_plus.device, dtype=prob_plus.dtype)
-    else:
-        rand = torch.rand(prob_plus.shape, generator=generator, out=rand_out)
-    return torch.lt(rand, prob_plus, out=out) if out is not None else rand < prob_plus
+def _binarize_eager(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
+    noise = uniform(prob_plus.numel(), rng.to(prob_plus.device), first).view(prob_plus.shape)
+    return noise < prob_plus
 
 
-def signs_from_direction(z: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """The ±1 draw ``u`` as float32: +1 with probability ``(1 + z) / 2`` (``E[u] = z``)."""
-    bits = binarize((z + 1) * 0.5, generator)
-    return bits_to_signs(bits)
+def _draw_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+    """Bits: ``V b < m`` for ``V = 2 U - 1`` uniform in [-1, 1) (``U`` uniform ``i`` of ``rng``), or ``V < 0`` where
+    ``b == 0``. Branch-free: no division, no clamp, the same cost for every ``z``."""
+    v = uniform(m.numel(), rng.to(m.device)) * 2.0 - 1.0
+    return (v * b < m) | ((b == 0) & (v < 0))
+
+
+def _draw_bits_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` <- ``_draw_eager(m, b, rng)``."""
+    out.copy_(_draw_eager(m, b, rng))
+
+
+def _draw_lane_words_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """int64 words of ``_draw_eager(m, b, rng)`` packed into the lanes of ``shifts``."""
+    return pack_lanes(_draw_eager(m, b, rng), shifts)
+
+
+_binarize = FusedKernel(_binarize_eager)
+_draw_bits = FusedKernel(_draw_bits_eager, in_place=True)
+_draw_lane_words = FusedKernel(_draw_lane_words_eager)
+
+
+def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Bits (bool, ``prob_plus``'s shape; True for +1): element ``i`` is True when uniform ``first + i`` of the
+    stream ``rng`` (int64 ``[4]`` words, ``random.stream_words``; ``first`` a multiple of 4) is below
+    ``prob_plus[i]`` (float32 in [0, 1]), i.e. with that probability."""
+    return _binarize(prob_plus, rng, first)
+
+
+def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (bool ``[n]``) <- the ±1 draw ``u`` of float32 moments ``m``, ``b`` ``[n]`` (``|m| <= b``): True (+1)
+    with probability ``(1 + z) / 2`` for ``z = m / b`` (``E[u] = z``; 1/2 where ``b == 0``), from uniforms
+    ``0 .. n - 1`` of the stream ``rng``, in one fused pass; returns ``out``."""
+    _draw_bits(m, b, rng, out)
+    return out
+
+
+def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
+    """int64 ``[layout.num_words(n)]``: ``draw_bits(m, b, rng)`` packed into the summable lanes of ``layout``
+    (span 1, no offset), in one fused pass (no bit or probability buffer)."""
+    if layout.span != 1 or layout.offset:
+        raise ValueError(f"draw_lane_words needs a layout of bits (span 1, offset 0), got {layout}")
+    return _draw_lane_words(m, b, rng, layout.lane_shifts(m.device))
 
 
 def bits_to_signs(bits: torch.Tensor) -> torch.Tensor:
@@ -106,10 +130,12 @@ def mean_from_counts(counts: torch.Tensor, group: int) -> torch.Tensor:
     return counts.mul(2).sub_(group).to(torch.float32).div_(group)
 
 
-def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int, group: int,
+def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, group: int,
                            out: torch.Tensor) -> None:
-    """``out`` (float32 ``[numel]``) <- ``mean_from_counts`` of the lanes of ``word_sums``."""
-    out.copy_(mean_from_counts(unpack_lanes(word_sums, shifts, mask, numel), group))
+    """``out`` (float32 ``[words * L]``) <- ``mean_from_counts`` of every lane of ``word_sums`` (whole words, no
+    slicing: one vectorized loop)."""
+    lanes = word_lanes(word_sums, shifts, mask)
+    out.view(lanes.shape).copy_(mean_from_counts(lanes, group))
 
 
 _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
@@ -118,14 +144,17 @@ _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
 def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[numel]``: the mean of ``layout.world_size`` workers' ±1 values from the sums of their bits'
-    words (``layout``: ``span=1``, no offset), in one fused pass, written into ``out`` if given."""
+    words (``layout``: ``span=1``, no offset), in one fused pass. It is a view of ``out`` if given: a 1-D float32
+    buffer of at least ``layout.num_words(numel) * layout.lanes_per_word`` elements (whole words are decoded)."""
     if layout.span != 1 or layout.offset:
         raise ValueError(f"mean_from_lane_sums needs a layout of bits (span 1, offset 0), got {layout}")
     layout.check_words(word_sums, numel)
+    decoded = word_sums.numel() * layout.lanes_per_word
     if out is None:
-        out = torch.empty(numel, dtype=torch.float32, device=word_sums.device)
-    elif out.dtype != torch.float32 or out.shape != (numel,):
-        raise ValueError(f"out must be float32 of shape ({numel},), got {out.dtype} {tuple(out.shape)}")
-    _mean_from_words(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, numel, layout.world_size,
-                     out)
-    return out
+        out = torch.empty(decoded, dtype=torch.float32, device=word_sums.device)
+    elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() < decoded:
+        raise ValueError(f"out must be 1-D float32 of at least {decoded} elements, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    _mean_from_words(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, layout.world_size,
+                     out[:decoded])
+    return out[:numel]

@@ -158,9 +158,15 @@ def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> to
     return torch.cat([total, (last << shifts).sum().reshape(1)])[:words]
 
 
+def word_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor) -> torch.Tensor:
+    """int64 ``[len(words), len(shifts)]``: every lane of every word (whole words: fused kernels decode them in
+    one vectorized loop and slice afterwards)."""
+    return words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask)
+
+
 def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:
     """int64 ``[numel]``: the lanes of ``words`` (inverse of ``pack_lanes`` for lanes below ``mask + 1``)."""
-    return words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask).view(-1)[:numel]
+    return word_lanes(words, shifts, mask).view(-1)[:numel]
 
 
 def _unpack_sums_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int,

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from .fused import FusedKernel
-from .packing import INT64_WORD_BITS, LaneLayout, pack_lanes
+from .packing import INT64_WORD_BITS, LaneLayout, pack_lanes, word_lanes
 from .random import uniform
 from .validate import check_int
 
@@ -343,7 +343,7 @@ def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int,
                        units: torch.Tensor) -> torch.Tensor:
     """float32 ``[words * L]``: ``(sum of levels) * units`` for every lane of every word (``units``:
     ``M / (s W)`` per lane, 0 for the padding). Whole words, no slicing: one vectorized loop."""
-    lanes = word_sums.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(mask).sub(offset)
+    lanes = word_lanes(word_sums, shifts, mask).sub_(offset)
     return (lanes.float() * units.view(lanes.shape)).view(-1)
 
 

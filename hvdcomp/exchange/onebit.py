@@ -24,6 +24,9 @@ exactly and re-binarizes it (+1 with probability ``count / G``); an ``Op.ALLGATH
 
 ``E[u_bar]`` is the mean over workers of each worker's ``E[u]``: given the draws, a node's (or a
 part owner's) re-binarized value has expectation the mean it re-binarizes; nodes are of equal size.
+Re-binarizations draw from the caller's counter-based stream ``rng`` (``codec.random.stream_words``; it
+should differ from the stream of the bits themselves): uniforms from 0 for a node's shard, then, after
+them, for a two-stage part.
 ``one_bit_route`` / ``route_mean`` pick and run the exchange of a step (Birder's ``route``).
 """
 
@@ -33,6 +36,7 @@ import torch
 
 from ..codec.onebit import binarize, bits_to_signs, mean_from_counts, mean_from_lane_sums
 from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
+from ..codec.random import OUTPUTS_PER_BLOCK
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
 from .hierarchy import across_nodes, shard_bounds, shard_length
 from .protocol import Exchange, Op, Topology
@@ -40,18 +44,27 @@ from .protocol import Exchange, Op, Topology
 
 def one_bit_mean(bits: torch.Tensor, world_size: int, out: torch.Tensor | None = None) -> Exchange:
     """Exact mean (float32) of the workers' ±1 values (``bits``: True for +1), one ``Op.SUM`` of lanes; it is
-    decoded into ``out`` (float32 ``[bits.numel()]``) if given and several workers exchange."""
+    decoded into ``out`` (``codec.onebit.mean_from_lane_sums``: ``bits.numel() + 62`` elements always suffice) if
+    given and several workers exchange."""
     numel = bits.numel()
     if world_size == 1 or numel == 0:
         return bits_to_signs(bits)
     layout = LaneLayout(span=1, world_size=world_size)
-    word_sums = yield Op.SUM, layout.pack(as_uint8(bits.reshape(-1)), validate=False)
+    return (yield from lane_words_mean(layout.pack(as_uint8(bits.reshape(-1)), validate=False), numel, world_size,
+                                       out))
+
+
+def lane_words_mean(words: torch.Tensor, numel: int, world_size: int, out: torch.Tensor | None = None) -> Exchange:
+    """``one_bit_mean`` of bits this worker has already packed into ``LaneLayout(span=1, world_size)`` words
+    (int64, e.g. by ``codec.onebit.draw_lane_words``): one ``Op.SUM`` of them, decoded into ``out`` if given."""
+    layout = LaneLayout(span=1, world_size=world_size)
+    word_sums = yield Op.SUM, words
     return mean_from_lane_sums(word_sums, layout, numel, out)
 
 
 def hierarchical_one_bit_mean(
     bits: torch.Tensor,
-    generator: torch.Generator | None,
+    rng: torch.Tensor,
     local_size: int,
     local_rank: int,
     num_nodes: int,
@@ -60,7 +73,7 @@ def hierarchical_one_bit_mean(
     """Hierarchical-1-bit-All-Reduce of the workers' ±1 values (``bits``: 1-D bool, True for +1).
 
     Returns float32 ``u_bar``, the same on every worker, unbiased for the mean of the workers' values.
-    With one node it is ``one_bit_mean`` (exact). ``generator`` draws this worker's re-binarizations.
+    With one node it is ``one_bit_mean`` (exact). ``rng`` draws this worker's re-binarizations.
     ``inter_node``: ``"auto"`` (``"allgather"`` or ``"sum"``, fewer bytes), or one of those or ``"two_stage"``.
     """
     if inter_node not in (*INTER_NODE_VARIANTS, "two_stage"):
@@ -81,12 +94,13 @@ def hierarchical_one_bit_mean(
     lo, hi = shard_bounds(numel, local_size, local_rank)
     prob = torch.zeros(chunk, dtype=torch.float32, device=bits.device)
     prob[: hi - lo] = node_counts[lo:hi].to(torch.float32).div_(local_size)
-    node_bits = binarize(prob, generator)
+    node_bits = binarize(prob, rng)
     # 3. inter-node: 1 bit per element and node.
     variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
     span = num_nodes
     if variant == "two_stage":
-        counts = (yield from across_nodes(two_stage_one_bit_mean(node_bits, generator, num_nodes))).to(torch.int64)
+        node_means = yield from across_nodes(two_stage_one_bit_mean(node_bits, rng, num_nodes, _after(chunk)))
+        counts = node_means.to(torch.int64)
         span = 1
     elif variant == "allgather":
         gathered = yield Op.CROSS_ALLGATHER, bits_to_bytes(node_bits)
@@ -105,10 +119,15 @@ def hierarchical_one_bit_mean(
     return mean_from_counts(counts[:numel], span)
 
 
-def two_stage_one_bit_mean(bits: torch.Tensor, generator: torch.Generator | None, group_size: int) -> Exchange:
+def _after(numel: int) -> int:
+    """The first uniform of a stream after ``numel`` used ones (a block boundary)."""
+    return -(-numel // OUTPUTS_PER_BLOCK) * OUTPUTS_PER_BLOCK
+
+
+def two_stage_one_bit_mean(bits: torch.Tensor, rng: torch.Tensor, group_size: int, first: int = 0) -> Exchange:
     """Bits (1-D bool ``[n]``, True for +1) re-binarized from the group's mean in two stages (module docstring):
     bit ``e`` is True with probability the fraction of the ``group_size`` workers' bits ``e`` that are True,
-    the same on every worker. ``generator`` draws this worker's part."""
+    the same on every worker. This worker's part draws uniforms ``first ...`` of the stream ``rng``."""
     numel = bits.numel()
     if group_size == 1 or numel == 0:
         return bits
@@ -117,7 +136,7 @@ def two_stage_one_bit_mean(bits: torch.Tensor, generator: torch.Generator | None
     padded[:numel] = bits
     received = yield Op.ALLTOALL, bits_to_bytes(padded.view(group_size, part)).reshape(-1)
     counts = bytes_to_bits(received.view(group_size, -1), part).sum(dim=0, dtype=torch.int64)
-    mine = binarize(counts.to(torch.float32).div_(group_size), generator)
+    mine = binarize(counts.to(torch.float32).div_(group_size), rng, first)
     gathered = yield Op.ALLGATHER, bits_to_bytes(mine)
     return bytes_to_bits(gathered.view(group_size, -1), part).reshape(-1)[:numel]
 
@@ -135,14 +154,15 @@ def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node
     return "world:" + choose_inter_node(topology.size, numel, variants)
 
 
-def route_mean(route: str, bits: torch.Tensor, generator: torch.Generator | None, topology: Topology,
+def route_mean(route: str, bits: torch.Tensor, rng: torch.Tensor, topology: Topology,
                out: torch.Tensor | None = None) -> Exchange:
-    """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``); the route
-    ``"world:sum"`` decodes it into ``out`` (float32, ``bits``' size) if given, the others return a new tensor."""
+    """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``), re-binarizing
+    from the stream ``rng``; the route ``"world:sum"`` decodes it into ``out`` (as ``one_bit_mean``) if given,
+    the others return a new tensor."""
     scope, variant = route.split(":")
     if scope == "hierarchical":
-        return (yield from hierarchical_one_bit_mean(bits, generator, topology.local_size, topology.local_rank,
+        return (yield from hierarchical_one_bit_mean(bits, rng, topology.local_size, topology.local_rank,
                                                      topology.cross_size, variant))
     if variant == "two_stage":
-        return bits_to_signs((yield from two_stage_one_bit_mean(bits.reshape(-1), generator, topology.size)))
+        return bits_to_signs((yield from two_stage_one_bit_mean(bits.reshape(-1), rng, topology.size)))
     return (yield from one_bit_mean(bits.reshape(-1), topology.size, out))

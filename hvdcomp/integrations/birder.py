@@ -37,8 +37,10 @@ counts it as zero. A zero gradient tensor is a gradient: weight decay applies.
 **Non-finite gradients**: if any worker's gradient holds NaN/Inf, every worker skips the step (no
 state changes, no random draws), warns, and counts it in ``stats.skipped_steps``.
 
-**Randomness** comes from one ``torch.Generator`` per worker, seeded by ``stable_seed(seed, "birder",
-rank)``; the global RNGs are never touched.
+**Randomness** is counter-based (``hvdcomp.codec.random``): the draw of ``u`` and the exchange's
+re-binarizations take uniforms from two streams keyed by ``(seed, "birder", rank, purpose)`` and counted by
+(step, element), so the moments update, the draw and the lane packing run as one fused pass, the same bits
+come out on CPU and GPU, and nothing but the step count needs saving. The global RNGs are never touched.
 
 **Statistics**: ``stats`` is ``hvdcomp.exchange.stats.Statistics``, as for ``DistributedOptimizer``;
 the flags (``8 (4 + P)`` bytes) and activity masks count as ``control_bytes``. Per worker and step,
@@ -46,8 +48,8 @@ for ``n`` elements, ``c = ceil(n / L)`` and ``lanes(k) = floor(63 / bit_length(k
 inter-node ``ceil(c / 8)`` bytes (all-gather) or ``8 ceil(c / lanes(N))`` (sum); intra-node
 ``8 ceil(n / lanes(L)) + 8 ceil(c / lanes(N))``; over all workers ``8 ceil(n / lanes(W))`` inter-node.
 
-``state_dict()`` holds ``m``, ``b``, the active mask, the step count and the generator state: each
-worker must save and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
+``state_dict()`` holds ``m``, ``b``, the active mask, the step count and the seed: each worker must save
+and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
 """
 
 from __future__ import annotations
@@ -59,12 +61,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import binarize, gradient_checks, plus_probability, update_moments, zero_inactive
-from ..codec.packing import LaneLayout
-from ..codec.seeding import stable_seed
+from ..codec.onebit import draw_bits, draw_lane_words, gradient_checks, update_moments, zero_inactive
+from ..codec.packing import INT64_WORD_BITS, LaneLayout
+from ..codec.random import stream_words
 from ..codec.validate import check_real
 from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
-from ..exchange.onebit import one_bit_route, route_mean
+from ..exchange.onebit import lane_words_mean, one_bit_route, route_mean
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, counted
@@ -127,7 +129,7 @@ class Birder(torch.optim.Optimizer):
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
             ``HorovodTransport(process_set)``, created at the first step.
         process_set: Horovod process set of the default transport.
-        seed: with the rank, seeds this worker's generator.
+        seed: with the rank, keys this worker's random streams.
 
     A parameter without a gradient (``.grad`` None or ``requires_grad=False``) on every worker is skipped,
     weight decay included; on some workers only, they count it as zero. Workers hold the same parameters.
@@ -163,8 +165,7 @@ class Birder(torch.optim.Optimizer):
         self.seed = seed
         self._transport = transport
         self._process_set = process_set
-        self._generator: torch.Generator | None = None
-        self._generator_rank: int | None = None
+        self._rank: int | None = None  # of the last step, or of the loaded state
         self._warned_rank = False
         self._step = 0
         self.route = ""
@@ -218,18 +219,15 @@ class Birder(torch.optim.Optimizer):
         device = devices.pop() if devices else torch.device("cpu")
         self._layout = _Layout(params, offsets, indices, offset, device, key)
         zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=device)  # noqa: E731
-        self._m, self._b, self._grad = zeros(torch.float32), zeros(torch.float32), zeros(torch.float32)
-        self._prob, self._rand = zeros(torch.float32), zeros(torch.float32)
+        self._m, self._b, self._grad = (zeros(torch.float32) for _ in range(3))
+        self._mean = torch.zeros(offset + INT64_WORD_BITS, device=device)  # whole words (mean_from_lane_sums)
         self._bits, self._active = zeros(torch.bool), zeros(torch.bool)
         self._all_active = offset == 0
         return self._layout
 
-    def _seed_generator(self, rank: int, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(stable_seed(self.seed, "birder", rank))
-            self._generator_rank = rank
-        return self._generator
+    def _stream(self, purpose: str, rank: int, device: torch.device) -> torch.Tensor:
+        """This worker's random stream for ``purpose`` at this step (``random.stream_words``)."""
+        return stream_words(self._step, self.seed, "birder", rank, purpose, device=device)
 
     def _gather_grads(self, layout: _Layout) -> tuple[torch.Tensor, list[float]]:
         """The flat gradient (zero for a parameter without one) and, per parameter, 1.0 if it has one."""
@@ -288,11 +286,11 @@ class Birder(torch.optim.Optimizer):
             )
         layout = self._ensure_buffers()
         numel = layout.numel
-        generator = self._seed_generator(topo.rank, layout.device)
-        if self._generator_rank != topo.rank and not self._warned_rank:
+        if self._rank is not None and self._rank != topo.rank and not self._warned_rank:
             self._warned_rank = True
-            warnings.warn(f"Birder: rank {topo.rank} runs with rank {self._generator_rank}'s generator state; "
-                          "each worker should load its own state dict", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"Birder: rank {topo.rank} runs with rank {self._rank}'s moments; each worker should load "
+                          "its own state dict", RuntimeWarning, stacklevel=3)
+        self._rank = topo.rank
         traffic = self.stats.begin_step()
         grad, has_grad = self._gather_grads(layout)
 
@@ -317,27 +315,28 @@ class Birder(torch.optim.Optimizer):
             self._all_active = bool(self._active.all())
         traffic.uncompressed_bytes += 4 * numel
         updated = (flags[4:] > 0).tolist()
-        yield from counted(self._update(layout, grad, generator, topo, hierarchical, updated), traffic, topo)
+        yield from counted(self._update(layout, grad, topo, hierarchical, updated), traffic, topo)
         self._step += 1
         self.stats.end_step()
         return None
 
-    def _update(self, layout: _Layout, grad: torch.Tensor, generator: torch.Generator, topo: Topology,
-                hierarchical: bool, updated: list[bool]) -> Exchange:
+    def _update(self, layout: _Layout, grad: torch.Tensor, topo: Topology, hierarchical: bool,
+                updated: list[bool]) -> Exchange:
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
         keep their moments; their bits travel, as the exchange covers the whole flat buffer)."""
-        m, b, prob = self._m, self._b, self._prob
-        covered = 0
+        m, b, numel = self._m, self._b, layout.numel
         for group, indices in zip(self.param_groups, layout.group_indices):
             for lo, hi in _runs(layout, indices, updated):
-                update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], group["beta"], prob[lo:hi])
-                covered += hi - lo
-        if covered < layout.numel:  # parameters without a gradient keep their moments, and draw from them
-            plus_probability(m, b, out=prob)
-        bits = binarize(prob, generator, rand_out=self._rand, out=self._bits)
-
-        self.route = one_bit_route(layout.numel, topo, hierarchical, self.inter_node, self.exchange)
-        mean = yield from route_mean(self.route, bits, generator, topo, out=self._rand)  # the draws are spent
+                update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], group["beta"])
+        draws = self._stream("draw", topo.rank, layout.device)
+        self.route = one_bit_route(numel, topo, hierarchical, self.inter_node, self.exchange)
+        if self.route == "world:sum" and topo.size > 1:  # the draw packed straight into summable lanes
+            words = draw_lane_words(m, b, draws, LaneLayout(span=1, world_size=topo.size))
+            mean = yield from lane_words_mean(words, numel, topo.size, out=self._mean)
+        else:
+            bits = draw_bits(m, b, draws, out=self._bits)
+            mean = yield from route_mean(self.route, bits, self._stream("rebinarize", topo.rank, layout.device), topo,
+                                         out=self._mean)
         if not self._all_active:
             zero_inactive(mean, self._active)
 
@@ -353,7 +352,7 @@ class Birder(torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Torch's state dict plus ``"birder"``: this worker's m, b, active mask, step and generator state."""
+        """Torch's state dict plus ``"birder"``: this worker's m, b, active mask, step and seed."""
         return dict(super().state_dict(), birder=birder_state(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,13 +1,13 @@
-"""Checkpoints of ``Birder``: this worker's moments, active mask, step count and generator; resuming at
-another world size; Horovod elastic re-synchronisation.
+"""Checkpoints of ``Birder``: this worker's moments, active mask, step count and seed; resuming at another
+world size; Horovod elastic re-synchronisation.
 
-Each worker must save and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
-Loaded into another number of workers (each may load any worker's checkpoint), the moments, the active
-mask (the same on every worker) and the step are kept and the generator is seeded again for the
-worker's rank, with a warning. Under ``hvd.elastic.TorchState(model=..., optimizer=birder)`` the elastic
-re-synchronisation (``broadcast_optimizer_state`` calls ``step()``) agrees the active masks (a joining
-worker has none) and reseeds the generator of a worker whose rank moved; each worker keeps its ``m`` and
-``b`` (a joining one starts from zero), with one log line when anything was changed.
+Each worker must save and load its own (``m`` and ``b`` follow its own gradients) for an exact resume; the
+random streams are counter-based (keyed by seed, rank and step), so they need no state. Loaded into another
+number of workers (each may load any worker's checkpoint), the moments, the active mask (the same on every
+worker) and the step are kept, with a warning. Under ``hvd.elastic.TorchState(model=..., optimizer=birder)``
+the elastic re-synchronisation (``broadcast_optimizer_state`` calls ``step()``) agrees the active masks (a
+joining worker has none); each worker keeps its ``m`` and ``b`` (a joining one starts from zero) and draws
+from its current rank's streams, with one log line when anything was changed.
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ LOG = logging.getLogger("hvdcomp")
 def birder_state(optimizer: Any) -> dict[str, Any]:
     """The ``"birder"`` entry of Birder's state dict (copies)."""
     layout = optimizer._ensure_buffers()
-    generator = optimizer._generator
     return {
         "numel": layout.numel,
         "step": optimizer._step,
+        "seed": optimizer.seed,
         "m": optimizer._m.clone(),
         "b": optimizer._b.clone(),
         "active": optimizer._active.clone(),
-        "rank": optimizer._generator_rank,
-        "generator": None if generator is None else generator.get_state(),
+        "rank": optimizer._rank,
         "world_size": None if optimizer._transport is None else optimizer._transport.size,
     }
 
@@ -44,7 +43,9 @@ def birder_state(optimizer: Any) -> dict[str, Any]:
 def load_birder_state(optimizer: Any, state_dict: dict[str, Any],
                       load_torch_state: Callable[[dict[str, Any]], None]) -> None:
     """Load a Birder state dict: torch's part with ``load_torch_state``, then the ``"birder"`` entry;
-    ``ValueError`` (nothing loaded) if it is missing or holds another element count."""
+    ``ValueError`` (nothing loaded) if it is missing or holds another element count. A state saved before the
+    counter-based streams also holds ``"generator"`` (a torch.Generator state): it is ignored, as the streams
+    need no state; the draws after such a resume are fresh, identically distributed."""
     state_dict = dict(state_dict)
     birder = state_dict.pop("birder", None)
     if birder is None:
@@ -54,30 +55,29 @@ def load_birder_state(optimizer: Any, state_dict: dict[str, Any],
         raise ValueError(f"Birder.load_state_dict: {birder['numel']} elements saved, {layout.numel} here")
     load_torch_state(state_dict)
     optimizer._step = int(birder["step"])
+    optimizer.seed = birder.get("seed", optimizer.seed)  # older states: the streams' seed is the constructor's
     optimizer._m.copy_(birder["m"])
     optimizer._b.copy_(birder["b"])
     optimizer._active.copy_(birder["active"])
     optimizer._all_active = bool(optimizer._active.all())
     saved = birder.get("world_size")  # None: saved by an older version, or stepped without a transport (simulate)
     size = None if saved is None else optimizer.transport.size
-    if birder["generator"] is None or saved != size:
-        optimizer._generator, optimizer._generator_rank = None, None
-        if birder["generator"] is not None:
-            warnings.warn(f"Birder: this state was saved by {saved} workers and is loaded into {size}: m, b, the "
-                          "active mask and the step are kept; the generator is seeded again for this rank",
-                          RuntimeWarning, stacklevel=3)
+    if saved != size:
+        optimizer._rank = None
+        warnings.warn(f"Birder: this state was saved by {saved} workers and is loaded into {size}: m, b, the "
+                      "active mask and the step are kept; this worker draws from its own rank's streams",
+                      RuntimeWarning, stacklevel=3)
         return
-    if optimizer._generator_rank is not None and birder["rank"] != optimizer._generator_rank:
-        warnings.warn(f"Birder: loading rank {birder['rank']}'s state on rank {optimizer._generator_rank}; "
+    if optimizer._rank is not None and birder["rank"] != optimizer._rank:
+        warnings.warn(f"Birder: loading rank {birder['rank']}'s state on rank {optimizer._rank}; "
                       "each worker should load its own", RuntimeWarning, stacklevel=3)
-    optimizer._generator = torch.Generator(device=layout.device)
-    optimizer._generator.set_state(birder["generator"])
-    optimizer._generator_rank = birder["rank"]
+    optimizer._rank = birder["rank"]
 
 
 def resync_birder(optimizer: Any) -> None:
     """When Horovod elastic re-synchronises (every worker, after each (re)start): agree the active masks
-    and reseed the generator of a worker whose rank moved (see the module docstring). Otherwise nothing."""
+    (see the module docstring); a worker whose rank moved draws from its new rank's streams. Otherwise
+    nothing."""
     if not called_by_elastic_sync():
         return
     transport = optimizer.transport
@@ -85,9 +85,8 @@ def resync_birder(optimizer: Any) -> None:
     if forget is not None:
         forget()
     layout = optimizer._ensure_buffers()
-    moved = optimizer._generator_rank is not None and optimizer._generator_rank != transport.rank
-    if moved:
-        optimizer._generator, optimizer._generator_rank = None, None
+    moved = optimizer._rank is not None and optimizer._rank != transport.rank
+    optimizer._rank = transport.rank
     lanes = LaneLayout(span=1, world_size=transport.size)
     counts = transport.collective(Op.SUM, lanes.pack(optimizer._active.view(torch.uint8), validate=False))
     agreed = lanes.unpack(counts, layout.numel) > 0
@@ -96,5 +95,6 @@ def resync_birder(optimizer: Any) -> None:
     optimizer._active.copy_(agreed)
     optimizer._all_active = bool(agreed.all())
     if anyone.item() > 0 and transport.rank == 0:
-        LOG.warning("Birder: workers changed (elastic): active masks agreed and moved ranks' generators reseeded "
-                    "on all %d workers; each worker keeps its m and b (a new one starts from zero)", transport.size)
+        LOG.warning("Birder: workers changed (elastic): active masks agreed on all %d workers; each worker keeps "
+                    "its m and b (a new one starts from zero) and draws from its current rank's streams",
+                    transport.size)
