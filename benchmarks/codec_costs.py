@@ -26,9 +26,20 @@ from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused
 from hvdcomp.exchange import FP16, ElementwiseCodec, MaxNormCodec, NoCompression, Placement, PowerSGD, Reduction
 from hvdcomp.exchange.stats import Traffic, counted
 
+
+def _fp16(error_feedback: bool = False, sums_float16: bool = False) -> FP16:
+    """``FP16`` with its all-to-all and all-gather (Horovod, MPI), or one float16 SUM (torch.distributed)."""
+    codec = FP16(error_feedback)
+    codec.sums_float16 = sums_float16  # what bind_transport reads from the transport
+    return codec
+
+
 SCHEMES = {
     "none (fp32)": lambda: NoCompression(),
-    "fp16": lambda: FP16(),
+    "fp16": lambda: _fp16(),
+    "fp16 + error feedback": lambda: _fp16(error_feedback=True),
+    "fp16, float16 SUM": lambda: _fp16(sums_float16=True),
+    "fp16 + error feedback, float16 SUM": lambda: _fp16(error_feedback=True, sums_float16=True),
     "QSGDMaxNorm(8)": lambda: MaxNormCodec(MaxNormQuantizer((8,))),
     "QSGDMaxNorm(4)": lambda: MaxNormCodec(MaxNormQuantizer((4,))),
     "QSGDMaxNorm(2)": lambda: MaxNormCodec(MaxNormQuantizer((2,))),
@@ -51,6 +62,17 @@ def _buckets(shapes: list[torch.Size], bucket_mb: float) -> list[list[torch.Size
     return buckets + [current]
 
 
+def _reply(reduction: Reduction, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """What rank 0 receives when all ``world_size`` workers send ``tensor``."""
+    if reduction is Reduction.MAX:
+        return tensor.clone()
+    if reduction is Reduction.ALLTOALL:  # part 0 of every worker's tensor
+        return tensor.chunk(world_size)[0].repeat(world_size)
+    if reduction is Reduction.ALLGATHER:
+        return tensor.repeat(world_size)
+    return tensor * world_size
+
+
 def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int, traffic: Traffic) -> None:
     """One bucket exchange, every worker sending what this one sends; bytes and seconds go to ``traffic``."""
     if isinstance(codec, ElementwiseCodec):
@@ -62,7 +84,7 @@ def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int,
     try:
         op, tensor = next(exchange)
         while True:
-            reply = tensor.clone() if op.reduction is Reduction.MAX else tensor * world_size
+            reply = _reply(op.reduction, tensor, world_size)
             op, tensor = exchange.send(reply)
     except StopIteration:
         pass

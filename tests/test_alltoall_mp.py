@@ -26,8 +26,8 @@ def _alltoall_worker(transport_name):
         pass
     out["bytes"] = transport.wait(handle)
     codec = FP16(error_feedback=True)
-    out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport)
-                   for step in range(2)]
+    out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport).clone()
+                   for step in range(2)]  # the mean is the codec's buffer for "b", rewritten next step
     return out
 
 

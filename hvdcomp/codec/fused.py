@@ -50,9 +50,10 @@ def eager() -> Iterator[None]:
         _Mode.forced_eager -= 1
 
 
-def static(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with its sizes marked static for ``torch.compile`` (a new graph per distinct size)."""
-    torch._dynamo.mark_static(tensor)
+def static(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``tensor`` with its sizes (or only its size along ``dim``) marked static for ``torch.compile`` (a new
+    graph per distinct size)."""
+    torch._dynamo.mark_static(tensor, dim)
     return tensor
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..codec.half import HalfBuffers, add_rounding_error, mean_from_half_sums, round_to_half, sum_rows_to_half
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
@@ -59,48 +60,44 @@ class FP16(ElementwiseCodec):
     Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose
     sum holds NaN/Inf (the same on every worker; ``torch.amp.GradScaler`` then skips it) leaves the
     memory as it was.
+
+    The math is ``hvdcomp.codec.half``'s (one fused pass each for the chunk sum, the mean with its NaN/Inf
+    check, and the memory's update), into buffers kept per bucket: the mean an exchange returns is
+    rewritten by that bucket's next exchange.
     """
 
     def __init__(self, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None
         self.sums_float16 = False  # the transport's (bind_transport)
-        self._sends: dict[Hashable, torch.Tensor] = {}  # per bucket: the padded float16 request, reused
+        self._buffers: dict[Hashable, HalfBuffers] = {}  # per bucket, reused every step
 
     def bind_transport(self, transport: Any) -> None:
         super().bind_transport(transport)
         self.sums_float16 = bool(getattr(transport, "sums_float16", False))
 
-    def _send_buffer(self, key: Hashable, size: int, device: torch.device) -> torch.Tensor:
-        send = self._sends.get(key)
-        if send is None or send.numel() != size or send.device != device:
-            send = self._sends[key] = torch.zeros(size, dtype=torch.float16, device=device)  # padding stays 0
-        return send
+    def _buffers_for(self, key: Hashable, numel: int, world_size: int, device: torch.device) -> HalfBuffers:
+        chunked = not self.sums_float16  # the all-to-all sends W equal parts
+        buffers = self._buffers.get(key)
+        if buffers is None or not buffers.fits(numel, world_size, chunked, device):
+            buffers = self._buffers[key] = HalfBuffers(numel, world_size, chunked, device)
+        return buffers
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
-        numel = flat.numel()
-        padded = numel if self.sums_float16 else -(-numel // world_size) * world_size  # all-to-all: W equal parts
-        send = self._send_buffer(key, padded, flat.device)
-        half = send[:numel]
-        residual = None
-        if self.memory is None:
-            half.copy_(flat)
-        else:
-            residual = self.memory.residual(key, flat)
-            torch.add(residual, flat, out=half)  # rounded once
+        buffers = self._buffers_for(key, flat.numel(), world_size, flat.device)
+        half = buffers.send[:flat.numel()]
+        residual = None if self.memory is None else self.memory.residual(key, flat)
+        round_to_half(flat, residual, out=half)
         if self.sums_float16:
-            total = yield Op.SUM, send
+            total = yield Op.SUM, buffers.send
         else:
-            received = yield Op.ALLTOALL, send  # [W * chunk]: my chunk of every worker's, by rank
-            rows = received.view(world_size, -1)
-            partial = rows[0].float()
-            for row in rows[1:]:  # over the workers
-                partial.add_(row)
-            total = yield Op.ALLGATHER, partial.half()
-        mean = total[:numel].float().div_(world_size)
-        if residual is not None and bool(torch.isfinite(mean).all()):  # what rounding to float16 lost
-            residual.add_(flat).sub_(half)
-        return mean
+            received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
+            sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sum)
+            total = yield Op.ALLGATHER, buffers.chunk_sum
+        finite = mean_from_half_sums(total[:flat.numel()], world_size, buffers.mean, check_finite=residual is not None)
+        if residual is not None and finite:  # what rounding to float16 lost
+            add_rounding_error(residual, flat, half)
+        return buffers.mean
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.memory is None else self.memory.state_dict()

@@ -1,0 +1,117 @@
+"""Float16 exchange math (``hvdcomp.exchange.elementwise.FP16``): rounding a bucket to float16, with its
+error-feedback residual; summing W workers' float16 chunks at float32 in rank order, rounded once; the mean
+of the float16 sums; and the residual's update with what rounding lost. Pure tensor math, no collectives.
+
+Every function writes into buffers its caller keeps per bucket (``HalfBuffers``). The passes over several
+tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
+``sum_rows_to_half`` (W reads, one write), ``mean_from_half_sums`` (with the NaN/Inf check in the same pass)
+and ``add_rounding_error``.
+Compiled, they write straight into those buffers (no gradient-sized temporary; eagerly the chunk sum and the
+NaN/Inf check allocate one). Their ``_eager`` functions are the readable reference: the same float32
+operations in the same order, so both paths give the same bits (but for a NaN's payload: eager float16
+conversion gives 0x7fff, compiled 0x7e00; both are NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fused import FusedKernel, static
+
+
+class HalfBuffers:
+    """One bucket's buffers, kept across steps: ``send`` (float16 ``[padded]``: the values rounded to float16,
+    then zeros; ``chunked``: ``padded`` is ``numel`` rounded up to a multiple of ``world_size``, else ``numel``),
+    ``chunk_sum`` (float16 ``[padded / world_size]``: this worker's chunk of the sum, when ``chunked``; else
+    None) and ``mean`` (float32 ``[numel]``)."""
+
+    def __init__(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> None:
+        self.shape = (numel, world_size, chunked)
+        padded = -(-numel // world_size) * world_size if chunked else numel
+        self.send = torch.zeros(padded, dtype=torch.float16, device=device)  # the padding stays 0
+        self.chunk_sum = torch.empty(padded // world_size, dtype=torch.float16, device=device) if chunked else None
+        self.mean = torch.empty(numel, dtype=torch.float32, device=device)
+
+    def fits(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> bool:
+        """Whether these are the buffers ``HalfBuffers(numel, world_size, chunked, device)`` would make."""
+        return self.shape == (numel, world_size, chunked) and self.mean.device == device
+
+
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must be {dtype} of shape {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+
+
+def _round_sum_eager(residual: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (float16) <- ``residual + flat`` at float32, rounded once."""
+    torch.add(residual, flat, out=out)
+
+
+def _sum_rows_eager(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` <- ``rows[0] + rows[1] + ... + rows[W - 1]`` at float32, left to right, rounded once."""
+    partial = rows[0].float()
+    for index in range(1, rows.shape[0]):  # rank order
+        partial.add_(rows[index])
+    out.copy_(partial)
+
+
+def _mean_eager(sums: torch.Tensor, world_size: int, out: torch.Tensor) -> None:
+    """``out`` (float32) <- ``sums`` (float16) / ``world_size`` at float32."""
+    out.copy_(sums).div_(world_size)
+
+
+def _mean_all_finite_eager(sums: torch.Tensor, world_size: int, out: torch.Tensor) -> torch.Tensor:
+    """``_mean_eager``, and a 0-d bool: no element of ``out`` is NaN or ±Inf."""
+    _mean_eager(sums, world_size, out)
+    return torch.isfinite(out).all()
+
+
+def _add_rounding_error_eager(residual: torch.Tensor, flat: torch.Tensor, half: torch.Tensor) -> None:
+    """``residual`` <- ``(residual + flat) - half`` at float32."""
+    residual.add_(flat).sub_(half)
+
+
+_round_sum = FusedKernel(_round_sum_eager, in_place=True)
+_sum_rows = FusedKernel(_sum_rows_eager, in_place=True)
+_mean = FusedKernel(_mean_eager, in_place=True)
+_mean_all_finite = FusedKernel(_mean_all_finite_eager, in_place=True)
+_add_rounding_error = FusedKernel(_add_rounding_error_eager, in_place=True)
+
+
+def round_to_half(flat: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out`` (float16 ``[n]``) <- ``residual + flat`` (float32 ``[n]`` each; ``flat`` alone without a
+    residual), added at float32 and rounded to float16 once, in one pass. Beyond float16's range: ±Inf."""
+    _check("out", out, torch.float16, tuple(flat.shape))
+    if residual is None:
+        out.copy_(flat)
+    else:
+        _round_sum(residual, flat, out)
+
+
+def sum_rows_to_half(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (float16 ``[c]``) <- the sum of the W rows of ``rows`` (float16 ``[W, c]``: one chunk per worker,
+    by rank), added at float32 in rank order and rounded to float16 once, in one pass."""
+    if rows.dtype != torch.float16 or rows.dim() != 2 or not rows.shape[0]:
+        raise ValueError(f"rows must be float16 [W >= 1, c], got {rows.dtype} {tuple(rows.shape)}")
+    _check("out", out, torch.float16, (rows.shape[1],))
+    _sum_rows(static(rows, 0), out)  # the loop over the rows unrolls: one graph per W
+
+
+def mean_from_half_sums(sums: torch.Tensor, world_size: int, out: torch.Tensor, check_finite: bool = False) -> bool:
+    """``out`` (float32 ``[n]``) <- ``sums`` (float16 ``[n]``, the workers' sum) / ``world_size``, in one pass.
+
+    Returns False when ``check_finite`` and some mean is NaN or ±Inf (checked in the same pass), else True."""
+    _check("out", out, torch.float32, tuple(sums.shape))
+    if sums.dtype != torch.float16:
+        raise ValueError(f"sums must be float16, got {sums.dtype}")
+    if not check_finite:
+        _mean(sums, world_size, out)
+        return True
+    return bool(_mean_all_finite(sums, world_size, out))
+
+
+def add_rounding_error(residual: torch.Tensor, flat: torch.Tensor, half: torch.Tensor) -> None:
+    """In place, one pass: ``residual += flat - half`` (float32 ``residual`` and ``flat``, float16 ``half`` =
+    ``round_to_half(flat, residual)``), computed as ``(residual + flat) - half`` at float32: what rounding lost."""
+    _check("half", half, torch.float16, tuple(residual.shape))
+    _add_rounding_error(residual, flat, half)
