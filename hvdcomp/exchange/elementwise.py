@@ -18,6 +18,7 @@ from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.random import stream_words
 from ..codec.selection import RandomCoordinateSelector
+from ..codec.sparse import gather, keep_unsent, scatter
 from .bucket import ElementwiseCodec, Segments
 from .protocol import Exchange, Op
 from .simulator import simulate
@@ -192,25 +193,22 @@ class MaxNormCodec(ElementwiseCodec):
         quantizer = self.quantizer
         numel = flat.numel()
         rng = self.rounding_stream(key, step, flat.device)
-        indices = factor = residual = None
+        indices = factor = residual = finite = None
         values = flat
         segments: Sequence[int] = layout
         if self.selector is not None and numel:
             indices, segments, factor = self._selection(layout, step, flat.device)
-            values = flat[indices]
-            if self.memory is not None:
-                residual = self.memory.residual(key, flat)
-                values += residual[indices]
+            residual = None if self.memory is None else self.memory.residual(key, flat)
+            values, finite = gather(flat, indices, residual)  # the NaN/Inf flag covers all of flat
         groups = quantizer.scale_groups(values.numel(), segments)
 
-        stats = yield Op.MAX, quantizer.local_stats(values, groups, source=flat if indices is not None else None)
+        stats = yield Op.MAX, quantizer.local_stats(values, groups, finite)
         nonfinite = quantizer.saw_nonfinite(stats)
         if nonfinite:
             warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         elif residual is not None:
-            residual.add_(flat)
-            residual[indices] = 0.0
+            keep_unsent(residual, flat, indices)
 
         agreed = None
         if quantizer.multiscale:
@@ -220,9 +218,7 @@ class MaxNormCodec(ElementwiseCodec):
         word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
         mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
         if indices is not None:
-            if self.memory is None:
-                mean.mul_(factor)
-            mean = torch.zeros(numel, dtype=torch.float32, device=flat.device).index_copy_(0, indices, mean)
+            mean = scatter(mean, indices, numel, factor)  # factor: None with error feedback
         if nonfinite:
             mean.fill_(float("nan"))
         return mean
