@@ -88,7 +88,7 @@ def _exchanges(selection: dict, error_feedback: bool, world_size: int) -> tuple[
                     after = codec.state_dict()["memory"]
                     assert memory is after is None or all(torch.equal(memory["residuals"][key], residual)
                                                           for key, residual in after["residuals"].items())
-            results.append(outputs[0])
+            results.append(outputs[0].clone())  # the codec reuses its result buffer
     return results, [codec.state_dict() for codec in codecs]
 
 
@@ -120,7 +120,7 @@ def test_simulate_max_norm_with_a_selector_fused_equals_eager():
 
     def run():
         codecs = [MaxNormCodec(MaxNormQuantizer((2,)), RandomCoordinateSelector(ratio=0.05), seed=9) for _ in grads]
-        return [simulate_max_norm(codecs, grads, key="layer", step=step)[0] for step in range(2)], codecs
+        return [simulate_max_norm(codecs, grads, key="layer", step=step)[0].clone() for step in range(2)], codecs
 
     got, codecs = run()
     with fused.eager():
@@ -128,3 +128,30 @@ def test_simulate_max_norm_with_a_selector_fused_equals_eager():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert 0 < int((got[0] != 0).sum()) <= round(0.05 * 70001)
     assert torch.equal(codecs[0].memory.residual("layer", grads[0]), codecs_eager[0].memory.residual("layer", grads[0]))
+
+
+def test_the_result_buffer_is_reused_and_rewritten_whole():
+    """With a selector a codec's result is its buffer for the key (``reuses_result``): the next exchange of the
+    key overwrites all of it, whatever the caller wrote into it or a NaN/Inf step left there."""
+    sizes, world_size = [50, 3, 40], 2
+    gen = torch.Generator().manual_seed(1)
+    steps = [[torch.randn(sum(sizes), generator=gen) for _ in range(world_size)] for _ in range(3)]
+    steps[1][0] = _poison(steps[1][0], 0, float("nan"))
+
+    def run(scribble):
+        codecs = [MaxNormCodec(MaxNormQuantizer((2,)), RandomCoordinateSelector(k=4)) for _ in range(world_size)]
+        for rank, codec in enumerate(codecs):
+            codec.bind_rank(rank)
+        buffers = []
+        for step, grads in enumerate(steps):
+            with pytest.warns(RuntimeWarning, match="NaN/Inf") if step == 1 else contextlib.nullcontext():
+                outputs = simulate([c.exchange(g, sizes, "b", step, world_size) for c, g in zip(codecs, grads)])
+            buffers.append(outputs[0])
+            last = outputs[0].clone()
+            if scribble:
+                outputs[0].fill_(7.0)  # what a caller may do with its result
+        assert codecs[0].reuses_result and all(buffer is buffers[0] for buffer in buffers)
+        return last
+
+    scribbled, fresh = run(scribble=True), run(scribble=False)
+    assert torch.equal(scribbled, fresh) and 0 < int((fresh != 0).sum()) <= 4 * len(sizes)

@@ -92,7 +92,7 @@ def test_sparse_rescaled_is_unbiased():
         return MaxNormCodec(MaxNormQuantizer((4,)), RandomCoordinateSelector(ratio=0.25, seed=7), error_feedback=False)
 
     schemes = _workers(scheme, world_size)
-    steps = [simulate_max_norm(schemes, tiled, key="w", step=t)[0] for t in range(8)]
+    steps = [simulate_max_norm(schemes, tiled, key="w", step=t)[0].clone() for t in range(8)]  # a reused buffer
     outputs = torch.stack(steps).view(-1, numel)
     errors = (outputs - torch.stack(grads).mean(dim=0)).double()
     assert _bias_z_scores(errors).max() < 4.5

@@ -6,10 +6,10 @@ flat float32 bucket.
 
 ``gather`` runs as one fused kernel (``hvdcomp.codec.fused``): the NaN/Inf check of the whole bucket (a pass
 over every element, which eagerly costs several times the rest of a step) and the gather of the chosen
-values, plus their error-feedback residuals, in one call. The memory update and the scatter stay eager:
-``residual += flat`` and zeroing the chosen residuals are two in-place ops (one pass over the bucket and one
-over k), and a compiled scatter writes into a copy first (Inductor functionalizes the in-place update), which
-measured slower than both eager ops.
+values, plus their error-feedback residuals, in one call. The memory update and the scatter stay eager, in
+place: ``residual += flat`` then zeroing the sent residuals, and zeroing a reused output then writing the mean
+at ``indices``, are each one pass over the bucket and one over k; compiled, Inductor functionalizes such an
+update (a new bucket-sized buffer, then a copy back), which measured several times slower.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def keep_unsent(residual: torch.Tensor, flat: torch.Tensor, indices: torch.Tenso
     residual.add_(flat).index_fill_(0, indices, 0.0)
 
 
-def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int,
+def scatter(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
             factor: torch.Tensor | None = None) -> torch.Tensor:
-    """A new float32 ``[numel]``: ``values`` (float32 ``[k]``; times ``factor``, float32 ``[k]``, in place,
-    if given) at ``indices``, 0 elsewhere."""
+    """``out`` (float32 ``[numel]``, overwritten and returned): ``values`` (float32 ``[k]``; times ``factor``,
+    float32 ``[k]``, in place, if given) at ``indices``, 0 elsewhere."""
     if factor is not None:
         values = values.mul_(factor)
-    return torch.zeros(numel, dtype=torch.float32, device=values.device).index_copy_(0, indices, values)
+    return out.zero_().index_copy_(0, indices, values)

@@ -136,6 +136,13 @@ class MaxNormCodec(ElementwiseCodec):
         self.memory = ErrorFeedback() if selector is not None and error_feedback else None
         self.seed = seed
         self.rank: int | None = None
+        self._results: dict[Hashable, torch.Tensor] = {}  # with a selector: per key, the mean's buffer
+
+    @property
+    def reuses_result(self) -> bool:
+        """Whether a result is this codec's buffer, overwritten by its next exchange of the same key (with a
+        selector: the sparse mean is scattered into it, not into a new zero-filled bucket each step)."""
+        return self.selector is not None
 
     def bind_rank(self, rank: int) -> None:
         self.rank = rank
@@ -160,7 +167,8 @@ class MaxNormCodec(ElementwiseCodec):
 
         With a selector, ``k`` (or ``ratio``) counts coordinates per tensor: tensor ``(key, i)`` of
         ``Segments.of(segments, key)`` sends its own set, chosen over the whole tensor, so that a shard
-        sends the chosen coordinates that fall in it; a tensor smaller than ``k`` is sent whole."""
+        sends the chosen coordinates that fall in it; a tensor smaller than ``k`` is sent whole. The result is then
+        a buffer of this codec (``reuses_result``), valid until its next exchange of ``key``."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
@@ -187,6 +195,13 @@ class MaxNormCodec(ElementwiseCodec):
             return indices, counts, None
         factor = torch.tensor(factors).repeat_interleave(torch.tensor(counts), output_size=indices.numel())
         return indices, counts, factor.to(device)
+
+    def _result_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+        """The float32 buffer of ``like``'s size and device that ``key``'s sparse means are scattered into."""
+        result = self._results.get(key)
+        if result is None or result.numel() != like.numel() or result.device != like.device:
+            result = self._results[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        return result
 
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
                   word_bits: int) -> Exchange:
@@ -218,7 +233,7 @@ class MaxNormCodec(ElementwiseCodec):
         word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
         mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
         if indices is not None:
-            mean = scatter(mean, indices, numel, factor)  # factor: None with error feedback
+            mean = scatter(mean, indices, self._result_buffer(key, flat), factor)  # factor: None with error feedback
         if nonfinite:
             mean.fill_(float("nan"))
         return mean

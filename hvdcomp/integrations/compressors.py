@@ -283,7 +283,8 @@ class MaxNormCompressor(Compressor):
             ctx.traffic.decompress_s += time.perf_counter() - start
             self.stats.last_step.add(ctx.traffic)
             self.stats.total.add(ctx.traffic)
-            return mean.view(ctx.shape).to(ctx.dtype)
+            # Horovod makes the result the gradient itself (p.grad.set_): never the codec's reused buffer
+            return mean.view(ctx.shape).to(ctx.dtype, copy=self.codec.reuses_result)
         raise RuntimeError("the exchange protocol did not finish after its payload")
 
     def _finish_ahead(self, reduced: torch.Tensor, ctx: _AheadContext) -> torch.Tensor:
