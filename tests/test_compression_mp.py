@@ -79,7 +79,7 @@ def _simulated(name, world_size, step_grads):
         for index in range(len(per_rank[0])):
             grads = [per_rank[rank][index].reshape(-1).float() for rank in range(world_size)]
             outputs = simulate_max_norm(codecs, grads, key=index, step=step, word_bits=carrier.word_bits(world_size))
-            expected[(step, index)] = outputs[0].view(per_rank[0][index].shape)
+            expected[(step, index)] = outputs[0].clone().view(per_rank[0][index].shape)  # random-k reuses it
     return expected
 
 

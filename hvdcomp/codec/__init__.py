@@ -3,7 +3,8 @@
 - ``packing``: summable lanes (``LaneLayout``) and plain bit planes (``bits_to_bytes``);
 - ``carrier``: float64 carriers that survive Horovod's float reductions exactly;
 - ``quantize``: the max-norm quantizer family (``MaxNormQuantizer``);
-- ``selection``: shared random coordinate sets (``RandomCoordinateSelector``);
+- ``selection``: shared random coordinate sets (``RandomCoordinateSelector``); ``sparse``: gathering the chosen
+  coordinates (with the bucket's NaN/Inf check, fused), the error-feedback update and the scatter of the mean;
 - ``memory``: error-feedback residuals (``ErrorFeedback``); ``agreed``: scales agreed a step ahead, clipped excess;
 - ``lowrank``: PowerSGD's orthonormalization and flat packing;
 - ``onebit``: Birder's direction, binarization and count decoding;

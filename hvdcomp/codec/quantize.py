@@ -120,10 +120,11 @@ class MaxNormQuantizer:
         return torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64)
 
     # -- step 1: shared scale --------------------------------------------------------------------
-    def local_stats(self, x: torch.Tensor, groups: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+    def local_stats(self, x: torch.Tensor, groups: torch.Tensor,
+                    finite: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[len(groups) + 1]``: max of finite ``|x|`` per scale group (see ``scale_groups``),
-        then 1.0 if ``source`` (default ``x``; e.g. the whole gradient when ``x`` is a selection of it)
-        has NaN/Inf.
+        then 1.0 if ``x`` has NaN/Inf, or, given ``finite`` (0-d bool: e.g. whether the whole gradient that
+        ``x`` was selected from is finite, from ``sparse.gather``), 1.0 where ``finite`` is False.
 
         Reduce with MAX across workers. Few long groups (per-tensor scales) take one ``aminmax`` pass per
         group; many short ones (chunks), or a group holding NaN/Inf, take the segmented reduction.
@@ -134,11 +135,11 @@ class MaxNormQuantizer:
             for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
                 torch.maximum(-low, high, out=stats[group])
             if bool(torch.isfinite(stats[:-1]).all()):  # else a group holds NaN/Inf: redo it exactly below
-                if source is not None:
-                    stats[-1] = (~torch.isfinite(source).all()).float()
+                if finite is not None:
+                    stats[-1] = (~finite).float()
                 return stats
         mags = flat.abs().float()
-        nonfinite = ~torch.isfinite(mags if source is None else source).all()
+        nonfinite = ~(torch.isfinite(mags).all() if finite is None else finite)
         mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
         if groups.numel():
             stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)

@@ -19,6 +19,7 @@ from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.random import stream_words
 from ..codec.selection import RandomCoordinateSelector
+from ..codec.sparse import gather, keep_unsent, scatter
 from .bucket import ElementwiseCodec, Segments
 from .protocol import Exchange, Op
 from .simulator import simulate
@@ -132,6 +133,13 @@ class MaxNormCodec(ElementwiseCodec):
         self.memory = ErrorFeedback() if selector is not None and error_feedback else None
         self.seed = seed
         self.rank: int | None = None
+        self._results: dict[Hashable, torch.Tensor] = {}  # with a selector: per key, the mean's buffer
+
+    @property
+    def reuses_result(self) -> bool:
+        """Whether a result is this codec's buffer, overwritten by its next exchange of the same key (with a
+        selector: the sparse mean is scattered into it, not into a new zero-filled bucket each step)."""
+        return self.selector is not None
 
     def bind_rank(self, rank: int) -> None:
         self.rank = rank
@@ -156,7 +164,8 @@ class MaxNormCodec(ElementwiseCodec):
 
         With a selector, ``k`` (or ``ratio``) counts coordinates per tensor: tensor ``(key, i)`` of
         ``Segments.of(segments, key)`` sends its own set, chosen over the whole tensor, so that a shard
-        sends the chosen coordinates that fall in it; a tensor smaller than ``k`` is sent whole."""
+        sends the chosen coordinates that fall in it; a tensor smaller than ``k`` is sent whole. The result is then
+        a buffer of this codec (``reuses_result``), valid until its next exchange of ``key``."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
@@ -184,30 +193,34 @@ class MaxNormCodec(ElementwiseCodec):
         factor = torch.tensor(factors).repeat_interleave(torch.tensor(counts), output_size=indices.numel())
         return indices, counts, factor.to(device)
 
+    def _result_buffer(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+        """The float32 buffer of ``like``'s size and device that ``key``'s sparse means are scattered into."""
+        result = self._results.get(key)
+        if result is None or result.numel() != like.numel() or result.device != like.device:
+            result = self._results[key] = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        return result
+
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
                   word_bits: int) -> Exchange:
         quantizer = self.quantizer
         numel = flat.numel()
         rng = self.rounding_stream(key, step, flat.device)
-        indices = factor = residual = None
+        indices = factor = residual = finite = None
         values = flat
         segments: Sequence[int] = layout
         if self.selector is not None and numel:
             indices, segments, factor = self._selection(layout, step, flat.device)
-            values = flat[indices]
-            if self.memory is not None:
-                residual = self.memory.residual(key, flat)
-                values += residual[indices]
+            residual = None if self.memory is None else self.memory.residual(key, flat)
+            values, finite = gather(flat, indices, residual)  # the NaN/Inf flag covers all of flat
         groups = quantizer.scale_groups(values.numel(), segments)
 
-        stats = yield Op.MAX, quantizer.local_stats(values, groups, source=flat if indices is not None else None)
+        stats = yield Op.MAX, quantizer.local_stats(values, groups, finite)
         nonfinite = quantizer.saw_nonfinite(stats)
         if nonfinite:
             warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         elif residual is not None:
-            residual.add_(flat)
-            residual[indices] = 0.0
+            keep_unsent(residual, flat, indices)
 
         agreed = None
         if quantizer.multiscale:
@@ -217,9 +230,7 @@ class MaxNormCodec(ElementwiseCodec):
         word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
         mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
         if indices is not None:
-            if self.memory is None:
-                mean.mul_(factor)
-            mean = torch.zeros(numel, dtype=torch.float32, device=flat.device).index_copy_(0, indices, mean)
+            mean = scatter(mean, indices, self._result_buffer(key, flat), factor)  # factor: None with error feedback
         if nonfinite:
             mean.fill_(float("nan"))
         return mean

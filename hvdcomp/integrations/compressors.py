@@ -283,7 +283,7 @@ class MaxNormCompressor(Compressor):
             ctx.traffic.decompress_s += time.perf_counter() - start
             self.stats.last_step.add(ctx.traffic)
             self.stats.total.add(ctx.traffic)
-            return mean.view(ctx.shape).to(ctx.dtype)
+            return mean.view(ctx.shape).to(ctx.dtype, copy=self.codec.reuses_result)  # Horovod: p.grad.set_(it)
         raise RuntimeError("the exchange protocol did not finish after its payload")
 
     def _finish_ahead(self, reduced: torch.Tensor, ctx: _AheadContext) -> torch.Tensor:
