@@ -76,9 +76,10 @@ class FusedKernel:
             return self.eager_fn(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self.eager_fn, dynamic=True, fullgraph=self.in_place)
+        config = torch._dynamo.config  # set and restored around the call: cheaper than config.patch (~15 us)
+        limit, config.recompile_limit = config.recompile_limit, max(config.recompile_limit, _RECOMPILE_LIMIT)
         try:
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                return self._compiled(*args)
+            return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 (bad input raises again below; anything else: fall back)
             result = self.eager_fn(*args)  # the failed call left no trace (see the class docstring)
             _Mode.failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
@@ -86,3 +87,5 @@ class FusedKernel:
                           f"(slower, same results). Set {ENV_SWITCH}=0 to skip compiling.", RuntimeWarning,
                           stacklevel=2)
             return result
+        finally:
+            config.recompile_limit = limit

@@ -25,6 +25,7 @@ they travel by all-to-all or all-gather (``hvdcomp.exchange.two_stage``). ``unpa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,8 +96,9 @@ class LaneLayout:
         return (1 << self.lane_width) - 1
 
     def lane_shifts(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """int64 ``[lanes_per_word]``: the shift of each lane in its word, its size static for fused kernels."""
-        return static(torch.arange(self.lanes_per_word, device=device, dtype=torch.int64) * self.lane_width)
+        """int64 ``[lanes_per_word]``: the shift of each lane in its word, its size static for fused kernels.
+        One tensor per (lanes, width, device), made once: read-only (the stock path asks per tensor)."""
+        return _lane_shifts(self.lanes_per_word, self.lane_width, torch.device(device))
 
     def pack(self, values: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """Pack one worker's integer ``values`` (any integer dtype, 1-D) into int64 words (a fused kernel).
@@ -128,6 +130,11 @@ class LaneLayout:
         self.check_words(word_sums, numel)
         return _unpack_sums(word_sums, self.lane_shifts(word_sums.device), self.lane_mask, numel,
                             self.offset * self.world_size)
+
+
+@functools.cache
+def _lane_shifts(lanes: int, width: int, device: torch.device) -> torch.Tensor:
+    return static(torch.arange(lanes, device=device, dtype=torch.int64) * width)
 
 
 def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> torch.Tensor:
