@@ -339,19 +339,22 @@ def _stock_rank_dependent_heads_worker(codec, steps=4):
     return out
 
 
-@pytest.mark.parametrize("codec", ["qsgd8", "qsgd8_ahead", "randk05"])
-def test_16_7_stock_optimizer_rank_dependent_parameters(codec):
+def test_16_7_stock_optimizer_rank_dependent_parameters():
     """Issue 16 item 7: ranks whose losses use different parameters, stock optimizer, hvdcomp compressor: no
     CarrierMismatchError or hang, replicas identical after several steps, and close to Horovod uncompressed
     (QSGD 8 bits with this step's scale; with the scale agreed a step ahead, what exceeds it follows a step
     later, as GlobalRandK sends half of each step and the rest follows through error feedback)."""
-    results = run_function(_stock_rank_dependent_heads_worker, np=2, kwargs={"codec": codec}, timeout=TIMEOUT)
-    _assert_replicas_identical(results, codec)
-    _assert_replicas_identical(results, "none")
-    tolerance = 0.01 if codec == "qsgd8" else 0.1  # the others hold back part of the last step
-    for ours, ref in zip(results[0][codec], results[0]["none"]):
-        assert torch.isfinite(ours).all()
-        torch.testing.assert_close(ours, ref, rtol=0, atol=tolerance)
+    codecs = ["qsgd8", "qsgd8_ahead", "randk05"]
+    per_codec = run_function(_per_codec, np=2, kwargs={"worker": _stock_rank_dependent_heads_worker,
+                                                       "codecs": codecs}, timeout=TIMEOUT)
+    for codec in codecs:
+        results = [r[codec] for r in per_codec]
+        _assert_replicas_identical(results, codec)
+        _assert_replicas_identical(results, "none")
+        tolerance = 0.01 if codec == "qsgd8" else 0.1  # the others hold back part of the last step
+        for ours, ref in zip(results[0][codec], results[0]["none"]):
+            assert torch.isfinite(ours).all(), codec
+            torch.testing.assert_close(ours, ref, rtol=0, atol=tolerance, msg=codec)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,15 +382,18 @@ def _frozen_worker(variant):
     return out
 
 
-@pytest.mark.parametrize("variant", ["frozen_in_optimizer", "trainable_only"])
-def test_03_frozen_parameters_are_accepted(variant):
-    results = run_function(_frozen_worker, np=2, kwargs={"variant": variant}, timeout=TIMEOUT)
-    _assert_replicas_identical(results, "ours")
-    for r in results:
-        for ours, ref in zip(r["ours"], r["horovod"]):
-            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-        for ours, start in zip(r["ours"][:2], r["start"][:2]):
-            assert torch.equal(ours, start)  # the frozen layer does not move
+def test_03_frozen_parameters_are_accepted():
+    variants = ["frozen_in_optimizer", "trainable_only"]
+    per_variant = run_function(_per_codec, np=2, kwargs={"worker": _frozen_worker, "codecs": variants},
+                               timeout=TIMEOUT)
+    for variant in variants:
+        results = [r[variant] for r in per_variant]
+        _assert_replicas_identical(results, "ours")
+        for r in results:
+            for ours, ref in zip(r["ours"], r["horovod"]):
+                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=variant)
+            for ours, start in zip(r["ours"][:2], r["start"][:2]):
+                assert torch.equal(ours, start), variant  # the frozen layer does not move
 
 
 # --------------------------------------------------------------------------------------------------
@@ -582,13 +588,16 @@ def _fp16_mpi_worker(codec):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("codec", ["fp16", "fp16_ef", "horovod_fp16"])
-def test_07_fp16_over_mpi_transport(codec):
+def test_07_fp16_over_mpi_transport():
     pytest.importorskip("mpi4py")
-    results = run_function(_fp16_mpi_worker, np=2, launcher="mpi", kwargs={"codec": codec}, timeout=TIMEOUT)
-    _assert_replicas_identical(results, "params")
-    for r in results:
-        assert max(r["errors"]) <= _TOLERANCE[codec], r["errors"]
+    codecs = ["fp16", "fp16_ef", "horovod_fp16"]
+    per_codec = run_function(_per_codec, np=2, launcher="mpi", kwargs={"worker": _fp16_mpi_worker, "codecs": codecs},
+                             timeout=TIMEOUT)
+    for codec in codecs:
+        results = [r[codec] for r in per_codec]
+        _assert_replicas_identical(results, "params")
+        for r in results:
+            assert max(r["errors"]) <= _TOLERANCE[codec], (codec, r["errors"])
 
 
 # --------------------------------------------------------------------------------------------------
