@@ -5,14 +5,14 @@ Pure tensor math, no collectives (the 1-bit exchanges are ``hvdcomp.exchange.one
 travels as a bit, True (1) for +1.
 
 Draws are counter-based (``hvdcomp.codec.random``): element ``i`` of a draw from the stream ``rng`` (int64
-``[4]`` words of ``stream_words``) is +1 when uniform ``first + i`` of that stream is below its probability, so a
-draw is a pure function of (seed, purpose, rank, step, element): the same bits eagerly or fused, on CPU or GPU,
-in any order, after any resume.
+``[4]`` words of ``stream_words``) compares uniform ``first + i`` of that stream with its probability, so a draw
+is a pure function of (seed, purpose, rank, step, element): the same bits eagerly or fused, on CPU or GPU, in
+any order and any chunking, after any resume.
 
 The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks``,
-``update_moments`` (both moments in one pass, in place), ``draw_lane_words`` / ``draw_bits`` (the probability
-of +1, the draw and the lane packing in one pass), ``binarize``, ``mean_from_lane_sums`` (unpack and mean) and
-``zero_inactive``.
+``update_moments`` (both moments in one pass, in place), ``draw_lane_words`` / ``draw_bits`` (the draw from
+``m`` and ``b``, and the lane packing, in one pass), ``binarize``, ``mean_from_lane_sums`` (unpack and mean)
+and ``zero_inactive``.
 """
 
 from __future__ import annotations
