@@ -14,7 +14,7 @@ from hvdcomp.codec.random import stream_words
 from hvdcomp.exchange.cost import choose_inter_node
 from hvdcomp.exchange.hierarchy import shard_length
 from hvdcomp.exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
-from hvdcomp.exchange.protocol import Op, Placement
+from hvdcomp.exchange.protocol import Op, Placement, relay
 from hvdcomp.exchange.simulator import simulate
 from hvdcomp.integrations.birder import Birder, simulate_step
 
@@ -372,6 +372,45 @@ def test_nonfinite_gradient_skips_the_step_everywhere():
     _run(reference_params, reference_opts, 2, 2, first_step=3)
     for a, b in zip(params[0], reference_params[0]):
         assert torch.equal(a, b)
+
+
+def _logged(exchange, log):
+    """``exchange`` with the op of each of its requests appended to ``log``."""
+    def on_request(op, tensor):
+        log.append(op)
+        return op, tensor
+
+    return relay(exchange, on_request)
+
+
+def test_world_route_chunks_are_one_draw(monkeypatch):
+    """The world route's chunks (word and stream-block aligned) give the parameters and state of one sum,
+    with one SUM request per chunk and the same bytes in all."""
+    from hvdcomp.exchange import onebit
+
+    assert onebit.world_chunks(1016, 2) == [(0, 1016)]
+    assert onebit.world_chunks(0, 2) == []
+    runs = []
+    for chunk_elements in (onebit.WORLD_CHUNK_ELEMENTS, 100):
+        monkeypatch.setattr(onebit, "WORLD_CHUNK_ELEMENTS", chunk_elements)
+        params, opts = _workers(3)
+        ops = []
+        for step in range(3):
+            for rank, p in enumerate(params):
+                _set_grads(p, rank, step)
+            simulate([_logged(opt.step_exchange(Placement(rank, 3, 3)), ops if rank == 0 else [])
+                      for rank, opt in enumerate(opts)], local_size=3)
+        assert opts[0].route == "world:sum"
+        runs.append((params, [o.state_dict()["birder"] for o in opts], ops, opts[0].stats.total))
+    (params, states, ops, total), (chunked, chunked_states, chunked_ops, chunked_total) = runs
+    for a_list, b_list in zip(params, chunked):
+        assert all(torch.equal(a, b) for a, b in zip(a_list, b_list))
+    for a, b in zip(states, chunked_states):
+        assert all(torch.equal(a[key], b[key]) for key in ("m", "b", "active"))
+    chunks = onebit.world_chunks(sum(math.prod(s) for s in SHAPES), 3)
+    assert chunks == [(0, 124), (124, 248), (248, 372), (372, 426)]  # 4 x 31 lanes per chunk
+    assert chunked_ops.count(Op.SUM) - ops.count(Op.SUM) == 3 * (len(chunks) - 1)
+    assert chunked_total.inter_node_bytes == total.inter_node_bytes
 
 
 def test_resume_is_exact():

@@ -37,13 +37,18 @@ def _set_grads(params, rank, step):
         params[0].grad[0, 0] = float("inf")
 
 
-def _worker(inter_node, mpi_local_size=None):
-    """Steps 0..STEPS-1 with a checkpoint after CHECKPOINT steps, then the resumed run of the rest."""
+def _worker(inter_node, mpi_local_size=None, chunk_elements=None):
+    """Steps 0..STEPS-1 with a checkpoint after CHECKPOINT steps, then the resumed run of the rest;
+    ``chunk_elements``: the world route's chunks (several sums in flight together)."""
     import warnings
 
     import horovod.torch as hvd
 
     from hvdcomp import MPITransport
+    from hvdcomp.exchange import onebit
+
+    if chunk_elements:
+        onebit.WORLD_CHUNK_ELEMENTS = chunk_elements
 
     transport = MPITransport(local_size=mpi_local_size) if mpi_local_size else None
     params = _params()
@@ -135,7 +140,8 @@ def _check(results, world_size, local_size, inter_node):
 
 
 def test_flat_gloo_np2():
-    results = run_function(_worker, np=2, kwargs={"inter_node": "auto"}, timeout=120)
+    """With chunks of 248 elements (5 sums in flight together), equal to one sum in the simulation."""
+    results = run_function(_worker, np=2, kwargs={"inter_node": "auto", "chunk_elements": 200}, timeout=120)
     s = _check(results, 2, 2, "auto")
     bits_per_element = 32 * s["inter_node_bytes"] / s["uncompressed_bytes"]
     assert bits_per_element == pytest.approx(64 / 31, rel=0.01)  # ~2.06

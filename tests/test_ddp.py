@@ -168,14 +168,19 @@ def _two_workers() -> dict:
             errors.append(f"{type(error).__name__}: {error}")
     out["errors"] = errors
 
-    # Birder over the torch.distributed transport
-    net = _net()
-    birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport())
-    for step in range(3):
-        birder.zero_grad()
-        _loss(net, step).backward()
-        birder.step()
-    out["birder"] = (_flat(net), birder.route, birder.stats.total.inter_node_bytes)
+    # Birder over the torch.distributed transport; then in chunks of 124 elements, their sums in flight together
+    from hvdcomp.exchange import onebit
+
+    for label in ("birder", "birder_chunked"):
+        if label == "birder_chunked":
+            onebit.WORLD_CHUNK_ELEMENTS = 100
+        net = _net()
+        birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport())
+        for step in range(3):
+            birder.zero_grad()
+            _loss(net, step).backward()
+            birder.step()
+        out[label] = (_flat(net), birder.route, birder.stats.total.inter_node_bytes)
     return out
 
 
@@ -200,6 +205,8 @@ def test_ddp_hook_on_two_gloo_workers():
         assert bytes_per_step < fp32_bytes or name == "none", (name, bytes_per_step)
     birder_params, route, sent = results[0]["birder"]
     assert torch.equal(birder_params, results[1]["birder"][0]) and route == "world:sum" and sent > 0
+    assert all(out["birder_chunked"][1:] == (route, sent) and torch.equal(out["birder_chunked"][0], birder_params)
+               for out in results)  # three chunks: the same parameters and bytes as one sum
 
 
 def _emulated_nodes() -> dict:

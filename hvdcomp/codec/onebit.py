@@ -75,10 +75,10 @@ def _binarize_eager(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) 
     return noise < prob_plus
 
 
-def _draw_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
-    """Bits: ``V b < m`` for ``V = 2 U - 1`` uniform in [-1, 1) (``U`` uniform ``i`` of ``rng``), or ``V < 0`` where
-    ``b == 0``. Branch-free: no division, no clamp, the same cost for every ``z``."""
-    v = uniform(m.numel(), rng.to(m.device)) * 2.0 - 1.0
+def _draw_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Bits: ``V b < m`` for ``V = 2 U - 1`` uniform in [-1, 1) (``U`` uniform ``first + i`` of ``rng``), or ``V < 0``
+    where ``b == 0``. Branch-free: no division, no clamp, the same cost for every ``z``."""
+    v = uniform(m.numel(), rng.to(m.device), first) * 2.0 - 1.0
     return (v * b < m) | ((b == 0) & (v < 0))
 
 
@@ -87,9 +87,10 @@ def _draw_bits_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: t
     out.copy_(_draw_eager(m, b, rng))
 
 
-def _draw_lane_words_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """int64 words of ``_draw_eager(m, b, rng)`` packed into the lanes of ``shifts``."""
-    return pack_lanes(_draw_eager(m, b, rng), shifts)
+def _draw_lane_words_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, shifts: torch.Tensor,
+                           first: int) -> torch.Tensor:
+    """int64 words of ``_draw_eager(m, b, rng, first)`` packed into the lanes of ``shifts``."""
+    return pack_lanes(_draw_eager(m, b, rng, first), shifts)
 
 
 _binarize = FusedKernel(_binarize_eager)
@@ -112,12 +113,14 @@ def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Te
     return out
 
 
-def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
-    """int64 ``[layout.num_words(n)]``: ``draw_bits(m, b, rng)`` packed into the summable lanes of ``layout``
-    (span 1, no offset), in one fused pass (no bit or probability buffer)."""
+def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout,
+                    first: int = 0) -> torch.Tensor:
+    """int64 ``[layout.num_words(n)]``: the draw of ``draw_bits(m, b, rng)``, from uniforms ``first ...`` of
+    ``rng`` (a multiple of 4: elements ``first ...`` of a larger draw, the same bits), packed into the summable
+    lanes of ``layout`` (span 1, no offset), in one fused pass (no bit or probability buffer)."""
     if layout.span != 1 or layout.offset:
         raise ValueError(f"draw_lane_words needs a layout of bits (span 1, offset 0), got {layout}")
-    return _draw_lane_words(m, b, rng, layout.lane_shifts(m.device))
+    return _draw_lane_words(m, b, rng, layout.lane_shifts(m.device), first)
 
 
 def bits_to_signs(bits: torch.Tensor) -> torch.Tensor:

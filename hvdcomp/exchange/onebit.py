@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codec.onebit import binarize, bits_to_signs, mean_from_counts, mean_from_lane_sums
+from ..codec.onebit import binarize, bits_to_signs, draw_bits, draw_lane_words, mean_from_counts, mean_from_lane_sums
 from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
 from ..codec.random import OUTPUTS_PER_BLOCK
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
@@ -60,6 +60,36 @@ def lane_words_mean(words: torch.Tensor, numel: int, world_size: int, out: torch
     layout = LaneLayout(span=1, world_size=world_size)
     word_sums = yield Op.SUM, words
     return mean_from_lane_sums(word_sums, layout, numel, out)
+
+
+WORLD_CHUNK_ELEMENTS = 1 << 21  # Birder's world route sums its draw in chunks of about this many elements
+
+
+def world_chunks(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` chunks of about ``WORLD_CHUNK_ELEMENTS`` that cover ``numel`` elements, each starting on a
+    whole word of ``LaneLayout(span=1, world_size)`` and on a block of the random streams."""
+    unit = OUTPUTS_PER_BLOCK * LaneLayout(span=1, world_size=world_size).lanes_per_word
+    size = -(-numel // max(1, -(-numel // WORLD_CHUNK_ELEMENTS)))
+    size = max(unit, -(-size // unit) * unit)
+    return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
+
+
+def drawn_lane_mean(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lo: int, hi: int, world_size: int,
+                    out: torch.Tensor) -> Exchange:
+    """The exact mean over the workers of their draws of elements ``[lo, hi)`` of float32 ``m`` and ``b``
+    (``codec.onebit.draw_lane_words``, uniforms ``lo ...`` of ``rng``: the bits of the whole draw; ``lo`` from
+    ``world_chunks``): one ``Op.SUM`` of lane words, decoded into ``out[lo:]`` (float32; ``hi - lo + 62``
+    elements past ``lo`` suffice). Returns that ``[hi - lo]`` view."""
+    layout = LaneLayout(span=1, world_size=world_size)
+    words = draw_lane_words(m[lo:hi], b[lo:hi], rng, layout, first=lo)
+    return (yield from lane_words_mean(words, hi - lo, world_size, out[lo:]))
+
+
+def drawn_route_mean(route: str, m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, rebinarize: torch.Tensor,
+                     topology: Topology, bits: torch.Tensor, out: torch.Tensor | None = None) -> Exchange:
+    """``route_mean`` of this worker's draw ``codec.onebit.draw_bits(m, b, rng, bits)`` (``bits``: bool, ``m``'s
+    size), re-binarizing from the stream ``rebinarize``."""
+    return (yield from route_mean(route, draw_bits(m, b, rng, bits), rebinarize, topology, out))
 
 
 def hierarchical_one_bit_mean(

@@ -19,7 +19,9 @@ Seconds: ``compress_s`` (codec work before the last request of an exchange), ``c
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -98,6 +100,16 @@ class Statistics:
         self.total.add(self.last_step)
         self.steps += 1
         self.skipped_steps += skipped
+
+
+@contextlib.contextmanager
+def timed(traffic: Traffic, seconds: str) -> Iterator[None]:
+    """Add the block's wall time to ``traffic``'s ``seconds`` field (``"compress_s"`` or ``"decompress_s"``)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(traffic, seconds, getattr(traffic, seconds) + time.perf_counter() - start)
 
 
 def counted(exchange: Exchange, traffic: Traffic, topology: Topology, control: bool = False) -> Exchange:

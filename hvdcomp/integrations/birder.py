@@ -11,6 +11,10 @@ Per worker, with one decay ``beta`` and flat float32 buffers over all parameters
 There is no uncompressed warm-up; learning-rate warm-up works through the usual torch schedulers.
 The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, masking, state, stats.
 
+**Chunks.** The world route sums the draw in chunks (``onebit.world_chunks``) that ``step()`` has in flight
+together (``protocol.drive_overlapped``): a chunk's draw and decode overlap the other chunks' sums, the bits
+and the mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
+
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
 otherwise ``one_bit_mean`` sums the workers' bits in ``bit_length(W)``-bit lanes through ``Op.SUM``.
@@ -54,6 +58,7 @@ and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,15 +66,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import draw_bits, draw_lane_words, gradient_checks, update_moments, zero_inactive
+from ..codec.onebit import gradient_checks, update_moments, zero_inactive
 from ..codec.packing import INT64_WORD_BITS, LaneLayout
 from ..codec.random import stream_words
 from ..codec.validate import check_real
 from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
-from ..exchange.onebit import lane_words_mean, one_bit_route, route_mean
-from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
+from ..exchange.onebit import drawn_lane_mean, drawn_route_mean, one_bit_route, world_chunks
+from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, drive_overlapped, single
 from ..exchange.simulator import simulate
-from ..exchange.stats import Statistics, counted
+from ..exchange.stats import Statistics, Traffic, counted, timed
 from .birder_state import birder_state, load_birder_state, resync_birder
 from .launch import resolve_hierarchical
 from .parity import called_by_broadcast_optimizer_state
@@ -266,12 +271,17 @@ class Birder(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        drive(self.step_exchange(self.transport), self.transport)
+        transport = self.transport
+        drive(self._step_exchange(transport, functools.partial(_in_flight_together, transport)), transport)
         return loss
 
     def step_exchange(self, topology: Topology | None = None) -> Exchange:
         """The step as an exchange generator; ``topology`` (a ``Placement`` or a transport) says where this
-        worker sits (default: the transport). Run it to its end on every worker."""
+        worker sits (default: the transport). Run it to its end on every worker. The world route's chunks
+        are summed one after another here; ``step()`` has their sums in flight together (the same result)."""
+        return self._step_exchange(topology, _in_turn)
+
+    def _step_exchange(self, topology: Topology | None, run_chunks: Callable[[list[Exchange]], Exchange]) -> Exchange:
         self._check_not_wrapped()
         topo = topology if topology is not None else self.transport
         if self.hierarchical and not topo.equal_nodes:  # agreed: every rank raises, or none
@@ -315,31 +325,37 @@ class Birder(torch.optim.Optimizer):
             self._all_active = bool(self._active.all())
         traffic.uncompressed_bytes += 4 * numel
         updated = (flags[4:] > 0).tolist()
-        yield from counted(self._update(layout, grad, topo, hierarchical, updated), traffic, topo)
+        yield from self._update(layout, grad, topo, hierarchical, updated, traffic, run_chunks)
         self._step += 1
         self.stats.end_step()
         return None
 
-    def _update(self, layout: _Layout, grad: torch.Tensor, topo: Topology, hierarchical: bool,
-                updated: list[bool]) -> Exchange:
+    def _update(self, layout: _Layout, grad: torch.Tensor, topo: Topology, hierarchical: bool, updated: list[bool],
+                traffic: Traffic, run_chunks: Callable[[list[Exchange]], Exchange]) -> Exchange:
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
         keep their moments; their bits travel, as the exchange covers the whole flat buffer)."""
         m, b, numel = self._m, self._b, layout.numel
-        for group, indices in zip(self.param_groups, layout.group_indices):
-            for lo, hi in _runs(layout, indices, updated):
-                update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], group["beta"])
+        with timed(traffic, "compress_s"):
+            for group, indices in zip(self.param_groups, layout.group_indices):
+                for lo, hi in _runs(layout, indices, updated):
+                    update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], group["beta"])
         draws = self._stream("draw", topo.rank, layout.device)
         self.route = one_bit_route(numel, topo, hierarchical, self.inter_node, self.exchange)
-        if self.route == "world:sum" and topo.size > 1:  # the draw packed straight into summable lanes
-            words = draw_lane_words(m, b, draws, LaneLayout(span=1, world_size=topo.size))
-            mean = yield from lane_words_mean(words, numel, topo.size, out=self._mean)
+        if self.route == "world:sum" and topo.size > 1:  # drawn straight into summable lanes, chunk by chunk
+            yield from run_chunks([counted(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean), traffic, topo)
+                                   for lo, hi in world_chunks(numel, topo.size)])
+            mean = self._mean[:numel]
         else:
-            bits = draw_bits(m, b, draws, out=self._bits)
-            mean = yield from route_mean(self.route, bits, self._stream("rebinarize", topo.rank, layout.device), topo,
-                                         out=self._mean)
+            rebinarize = self._stream("rebinarize", topo.rank, layout.device)
+            mean = yield from counted(drawn_route_mean(self.route, m, b, draws, rebinarize, topo, self._bits,
+                                                       self._mean), traffic, topo)
+        with timed(traffic, "decompress_s"):
+            self._apply(layout, mean, updated)
+
+    def _apply(self, layout: _Layout, mean: torch.Tensor, updated: list[bool]) -> None:
+        """``x <- x - lr (u_bar + weight_decay x)`` for the ``updated`` parameters (``u_bar`` 0 where inactive)."""
         if not self._all_active:
             zero_inactive(mean, self._active)
-
         with torch.no_grad():
             for group, indices in zip(self.param_groups, layout.group_indices):
                 lr, decay = group["lr"], group["weight_decay"]
@@ -357,6 +373,19 @@ class Birder(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_birder_state(self, state_dict, super().load_state_dict)
+
+
+def _in_turn(chunks: list[Exchange]) -> Exchange:
+    """The chunks' requests, one chunk after another (their results are written where each chunk says)."""
+    for chunk in chunks:
+        yield from chunk
+
+
+def _in_flight_together(transport: Transport, chunks: list[Exchange]) -> Exchange:
+    """The chunks driven on ``transport`` with their sums in flight together (``drive_overlapped``): each chunk's
+    draw overlaps the sums before it, each decode the sums after it. Requests nothing itself."""
+    yield from ()
+    drive_overlapped(chunks, transport, "hvdcomp.birder")
 
 
 def simulate_step(optimizers: Sequence[Birder], local_size: int | None = None) -> list[object]:
