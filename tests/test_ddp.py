@@ -174,14 +174,22 @@ def _two_workers() -> dict:
     for label in ("birder", "birder_chunked"):
         if label == "birder_chunked":
             onebit.WORLD_CHUNK_ELEMENTS = 100
-        net = _net()
-        birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport())
-        for step in range(3):
-            birder.zero_grad()
-            _loss(net, step).backward()
-            birder.step()
+        net, birder = _birder_steps(3)
         out[label] = (_flat(net), birder.route, birder.stats.total.inter_node_bytes)
     return out
+
+
+def _birder_steps(steps):
+    """``_net()`` trained ``steps`` steps by Birder over the torch.distributed transport: (net, optimizer)."""
+    import hvdcomp
+
+    net = _net()
+    birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport())
+    for step in range(steps):
+        birder.zero_grad()
+        _loss(net, step).backward()
+        birder.step()
+    return net, birder
 
 
 @pytest.mark.slow
@@ -226,12 +234,7 @@ def _emulated_nodes() -> dict:
             total = run.state.stats.total
             stats.append((total.intra_node_bytes, total.inter_node_bytes))
         out[name] = (params, *stats)
-    net = _net()
-    birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport())
-    for step in range(2):
-        birder.zero_grad()
-        _loss(net, step).backward()
-        birder.step()
+    net, birder = _birder_steps(2)
     out["birder"] = (_flat(net), birder.route)
     from hvdcomp.exchange.protocol import Op
 

@@ -27,7 +27,9 @@ part owner's) re-binarized value has expectation the mean it re-binarizes; nodes
 Re-binarizations draw from the caller's counter-based stream ``rng`` (``codec.random.stream_words``; it
 should differ from the stream of the bits themselves): uniforms from 0 for a node's shard, then, after
 them, for a two-stage part.
-``one_bit_route`` / ``route_mean`` pick and run the exchange of a step (Birder's ``route``).
+``one_bit_route`` / ``route_mean`` pick and run the exchange of a step (Birder's ``route``); ``drawn_route_mean``
+draws the bits first, and ``world_chunks`` / ``drawn_lane_mean`` split the world route's draw and sum into
+word-aligned chunks (one whole draw's bits), which Birder keeps in flight together.
 """
 
 from __future__ import annotations
