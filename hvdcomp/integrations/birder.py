@@ -17,7 +17,7 @@ and the mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) 
 
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
-otherwise ``one_bit_mean`` sums the workers' bits in ``bit_length(W)``-bit lanes through ``Op.SUM``.
+otherwise the workers' bits are summed in ``bit_length(W)``-bit lanes through ``Op.SUM`` (in chunks, above).
 ``exchange="two_stage"`` replaces the inter-node stage (or the sum over all workers) by the two-stage
 1-bit exchange (about 2 bits per element at any node count), ``"auto"`` lets the cost model choose.
 ``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"``,
@@ -43,8 +43,8 @@ state changes, no random draws), warns, and counts it in ``stats.skipped_steps``
 
 **Randomness** is counter-based (``hvdcomp.codec.random``): the draw of ``u`` and the exchange's
 re-binarizations take uniforms from two streams keyed by ``(seed, "birder", rank, purpose)`` and counted by
-(step, element), so the moments update, the draw and the lane packing run as one fused pass, the same bits
-come out on CPU and GPU, and nothing but the step count needs saving. The global RNGs are never touched.
+(step, element), so the draw and the lane packing run as one fused pass, the same bits come out on CPU and
+GPU, and only the step count and the seed need saving. The global RNGs are never touched.
 
 **Statistics**: ``stats`` is ``hvdcomp.exchange.stats.Statistics``, as for ``DistributedOptimizer``;
 the flags (``8 (4 + P)`` bytes) and activity masks count as ``control_bytes``. Per worker and step,
