@@ -1,4 +1,5 @@
-"""``Op.ALLTOALL`` / ``Op.ALLGATHER`` over both transports, and ``FP16`` through them, in real workers."""
+"""``Op.ALLTOALL`` / ``Op.ALLGATHER`` over both transports (Horovod's all-to-alls whole and in pieces), and ``FP16``
+through them, in real workers."""
 
 import pytest
 import torch
@@ -16,15 +17,20 @@ def _alltoall_worker(transport_name):
     import hvdcomp
     from hvdcomp.exchange.protocol import Op, drive
 
+    from hvdcomp.transport import horovod
+
     transport = hvdcomp.MPITransport() if transport_name == "mpi" else hvdcomp.HorovodTransport()
     rank, size = transport.rank, transport.size
     sent = (torch.arange(4 * size) + 100 * rank).to(torch.float16)
     out = {"alltoall": transport.collective(Op.ALLTOALL, sent),
            "allgather": transport.collective(Op.ALLGATHER, sent[:3])}
+    horovod.ALLTOALL_PIECE_BYTES = 6  # Horovod's all-to-alls of 8 bytes per destination in two pieces from here on
     handle = transport.start(Op.ALLTOALL, sent.view(torch.uint8), name="bytes")
+    out["pieces"] = [(lo, hi) for lo, hi, _ in handle.handles] if isinstance(handle, horovod._Pieces) else None
     while not transport.poll(handle):
         pass
     out["bytes"] = transport.wait(handle)
+    out["pieced"] = transport.collective(Op.ALLTOALL, sent.view(size, 4))  # 3 elements, then 1
     codec = FP16(error_feedback=True)
     out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport).clone()
                    for step in range(2)]  # the mean is the codec's buffer for "b", rewritten next step
@@ -41,6 +47,8 @@ def test_alltoall_and_fp16_over_real_transports(launcher):
         want = torch.cat([(torch.arange(4 * size) + 100 * source)[4 * rank:4 * rank + 4] for source in range(size)])
         assert torch.equal(out["alltoall"], want.to(torch.float16))
         assert torch.equal(out["bytes"].view(torch.float16), want.to(torch.float16))
+        assert torch.equal(out["pieced"], want.to(torch.float16).view(size, 4))
+        assert out["pieces"] == (None if launcher == "mpi" else [(0, 6), (6, 8)])
         gathered = torch.cat([(torch.arange(3) + 100 * source) for source in range(size)]).to(torch.float16)
         assert torch.equal(out["allgather"], gathered)
     codecs = [FP16(error_feedback=True) for _ in range(size)]

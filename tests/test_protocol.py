@@ -193,7 +193,8 @@ class _Transport:
 @pytest.mark.parametrize("sums_float16", [None, False, True])
 def test_fp16_asks_for_a_float16_sum_only_where_the_transport_has_a_fast_one(sums_float16):
     """Over torch.distributed (``sums_float16``) one SUM of the float16 bucket, as DDP's fp16 hook sends it;
-    elsewhere the all-to-all and the all-gather. The error feedback is the same either way."""
+    elsewhere the all-to-all and the all-gather (as an all-to-all of the chunk sum). The error feedback is the
+    same either way."""
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(301, generator=gen) for _ in range(3)]
     codecs = [FP16(error_feedback=True) for _ in range(3)]
@@ -206,7 +207,7 @@ def test_fp16_asks_for_a_float16_sum_only_where_the_transport_has_a_fast_one(sum
     if sums_float16:
         assert ops == [(Op.SUM, torch.float16, 301)]
     else:
-        assert ops == [(Op.ALLTOALL, torch.float16, 303), (Op.ALLGATHER, torch.float16, 101)]
+        assert ops == [(Op.ALLTOALL, torch.float16, 303), (Op.ALLTOALL, torch.float16, 303)]  # the second: a gather
     want = sum(g.half().float() for g in grads) / 3
     for out in outputs:
         assert torch.equal(out, outputs[0])

@@ -4,11 +4,18 @@
 of each node's ranks and of the ranks sharing a local rank, registered once on every rank (they need
 dynamic process sets, ``hvdcomp.init()`` or ``hvd.init(process_sets="dynamic")``, and equal nodes).
 ``equal_nodes`` costs one all-gather, at its first read. Implements ``hvdcomp.exchange.protocol.Transport``.
+
+A large ``Op.ALLTOALL`` runs as several all-to-alls of at most ``ALLTOALL_PIECE_BYTES`` per destination
+(Horovod runs them one after another; it fuses no all-to-alls). Horovod's Gloo all-to-all sends each
+destination's part as one message, and a worker's Gloo thread reading its peer's equally large part leaves
+its own send waiting: at 1 Gbit/s, 23.5 MB per peer took 0.40 s in one all-to-all and 0.21 s in 512 KiB
+pieces (2 workers, the link's rate each way), and 0.063 s against 0.052 s at 10 Gbit/s.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
@@ -23,6 +30,7 @@ _DYNAMIC_SETS_NEEDED = (
     "or pass hierarchical=False (hierarchical=None follows HOROVOD_HIERARCHICAL_ALLREDUCE, which horovodrun "
     "--hierarchical-allreduce sets)"
 )
+ALLTOALL_PIECE_BYTES = 512 * 1024
 _HIERARCHY_SETS: dict[tuple[int, int], tuple[list[hvd.ProcessSet], list[hvd.ProcessSet]]] = {}
 
 
@@ -53,6 +61,35 @@ def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
         _HIERARCHY_SETS[key] = (node_sets, cross_sets)
     node_sets, cross_sets = _HIERARCHY_SETS[key]
     return node_sets[hvd.cross_rank()], cross_sets[hvd.local_rank()]
+
+
+@dataclass
+class _Pieces:
+    """An all-to-all in flight as pieces: ``out`` (``[W, part]``, the result's rows by sender) and, per piece,
+    its columns ``[lo, hi)`` and Horovod handle."""
+
+    out: torch.Tensor
+    shape: torch.Size
+    handles: list[tuple[int, int, Any]]
+
+
+def _alltoall_in_pieces(tensor: torch.Tensor, name: str | None, group: hvd.ProcessSet) -> _Pieces | None:
+    """Start ``tensor``'s all-to-all as pieces of at most ``ALLTOALL_PIECE_BYTES`` per destination, or None
+    where it is that small (or does not split into ``group.size()`` equal parts: Horovod's error then)."""
+    workers = group.size()
+    if not tensor.dim() or tensor.shape[0] % workers:
+        return None
+    rows = tensor.reshape(workers, -1)
+    width = max(1, ALLTOALL_PIECE_BYTES // tensor.element_size())
+    if rows.shape[1] <= width:
+        return None
+    pieces = _Pieces(torch.empty_like(rows), tensor.shape, [])
+    for index, lo in enumerate(range(0, rows.shape[1], width)):
+        hi = min(lo + width, rows.shape[1])
+        piece_name = None if name is None else f"{name}.piece{index}"
+        pieces.handles.append((lo, hi, hvd.alltoall_async(rows[:, lo:hi].contiguous().view(-1), name=piece_name,
+                                                          process_set=group)))
+    return pieces
 
 
 class HorovodTransport:
@@ -115,7 +152,8 @@ class HorovodTransport:
             if op.reduction is Reduction.ALLGATHER:
                 return hvd.allgather_async(tensor, name=name, process_set=group)
             if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any dtype)
-                return hvd.alltoall_async(tensor, name=name, process_set=group)
+                pieces = _alltoall_in_pieces(tensor, name, group)
+                return pieces if pieces is not None else hvd.alltoall_async(tensor, name=name, process_set=group)
             reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
             return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
         except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
@@ -126,9 +164,15 @@ class HorovodTransport:
                 "after an error on another rank, or the set was removed)") from error
 
     def poll(self, handle: Any) -> bool:
+        if isinstance(handle, _Pieces):
+            return all(hvd.poll(piece) for _, _, piece in handle.handles)
         return hvd.poll(handle)
 
     def wait(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _Pieces):
+            for lo, hi, piece in handle.handles:  # each piece's rows, by sender, into its columns
+                handle.out[:, lo:hi] = self.wait(piece).view(handle.out.shape[0], hi - lo)
+            return handle.out.view(handle.shape)
         result = hvd.synchronize(handle)
         return result[0] if isinstance(result, tuple) else result  # an all-to-all also returns its splits
 
