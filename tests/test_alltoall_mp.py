@@ -16,7 +16,6 @@ def _grads(rank):
 def _alltoall_worker(transport_name):
     import hvdcomp
     from hvdcomp.exchange.protocol import Op, drive
-
     from hvdcomp.transport import horovod
 
     transport = hvdcomp.MPITransport() if transport_name == "mpi" else hvdcomp.HorovodTransport()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hvdcomp.codec import fused
+from hvdcomp.codec import fused, packing
 from hvdcomp.codec.onebit import (
     binarize,
     draw_bits,
@@ -122,9 +122,13 @@ def test_codec_exchange_fused_equals_eager():
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 8])
-def test_lane_packing_and_bit_means_fused_equal_eager(world_size):
+@pytest.mark.parametrize("block_words", [None, 3])
+def test_lane_packing_and_bit_means_fused_equal_eager(world_size, block_words, monkeypatch):
     """Birder's lanes (bits of W workers) and a signed layout with an offset: pack, unpack and the mean of
-    the summed bits on both paths, and the sums are the workers' sums."""
+    the summed bits on both paths, and the sums are the workers' sums; the mean decoded in one block or in
+    blocks of 3 words (the last one ragged, or of one word)."""
+    if block_words is not None:
+        monkeypatch.setattr(packing, "DECODE_BLOCK_WORDS", block_words)
     gen = torch.Generator().manual_seed(world_size)
     for numel in SIZES:
         for layout, low, high in [(LaneLayout(span=1, world_size=world_size), 0, 2),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .fused import FusedKernel
-from .packing import LaneLayout, pack_lanes, word_lanes
+from .packing import LaneLayout, in_word_blocks, map_lanes, pack_lanes
 from .random import uniform
 
 
@@ -137,8 +137,8 @@ def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: 
                            out: torch.Tensor) -> None:
     """``out`` (float32 ``[words * L]``) <- ``mean_from_counts`` of every lane of ``word_sums`` (whole words, no
     slicing: one vectorized loop)."""
-    lanes = word_lanes(word_sums, shifts, mask)
-    out.view(lanes.shape).copy_(mean_from_counts(lanes, group))
+    means = map_lanes(word_sums, shifts, mask, lambda counts, _: mean_from_counts(counts, group))
+    out.view(means.shape).copy_(means)
 
 
 _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
@@ -158,6 +158,7 @@ def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int,
     elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() < decoded:
         raise ValueError(f"out must be 1-D float32 of at least {decoded} elements, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    _mean_from_words(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask, layout.world_size,
-                     out[:decoded])
+    shifts = layout.lane_shifts(word_sums.device)
+    in_word_blocks(word_sums.numel(), layout.lanes_per_word, lambda words, elements: _mean_from_words(
+        word_sums[words], shifts, layout.lane_mask, layout.world_size, out[elements]))
     return out[:numel]

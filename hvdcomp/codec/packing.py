@@ -26,6 +26,7 @@ they travel by all-to-all or all-gather (``hvdcomp.exchange.two_stage``). ``unpa
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -166,20 +167,44 @@ def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> to
 
 
 def word_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor) -> torch.Tensor:
-    """int64 ``[len(words), len(shifts)]``: every lane of every word (whole words: fused kernels decode them in
-    one vectorized loop and slice afterwards)."""
+    """int64 ``[len(words), len(shifts)]``: every lane of every word."""
     return words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask)
 
 
-def unpack_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, numel: int) -> torch.Tensor:
-    """int64 ``[numel]``: the lanes of ``words`` (inverse of ``pack_lanes`` for lanes below ``mask + 1``)."""
-    return word_lanes(words, shifts, mask).view(-1)[:numel]
+LaneMap = Callable[[torch.Tensor, "int | slice"], torch.Tensor]
+
+
+DECODE_BLOCK_WORDS = 1 << 16  # words per call of a decoder built on ``map_lanes`` (``in_word_blocks``)
+
+
+def map_lanes(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, fn: LaneMap) -> torch.Tensor:
+    """``[len(words), L]``: ``fn(values, lanes)`` of every lane of every word (whole words: fused kernels decode
+    them in one loop and slice afterwards). ``values`` are int64 lane values and ``lanes`` says which: eagerly
+    all at once (``[len(words), L]``, ``lanes`` = ``slice(None)``); under ``torch.compile`` one lane at a time
+    (``[len(words)]``, ``lanes`` its index), stacked. ``fn`` is elementwise, so both give the same values.
+
+    Inductor compiles the broadcast form to a scalar loop, and the stacked one to a vectorized loop per lane
+    over all the words, each writing every L-th element: fast for many lanes while the output stays in cache.
+    Call the kernel per block of ``DECODE_BLOCK_WORDS`` words (``in_word_blocks``). Birder's mean (31 lanes)
+    took 1.43 ns per element broadcast, 2.6 stacked in one call over 23.5M elements, and 0.73 stacked in
+    blocks of 2M; QSGD's decode (10 lanes at W = 8) was slower stacked, even in blocks, and stays broadcast."""
+    if not torch.compiler.is_compiling():
+        return fn(word_lanes(words, shifts, mask), slice(None))
+    return torch.stack([fn((words >> shifts[lane]) & mask, lane) for lane in range(shifts.numel())], dim=1)
+
+
+def in_word_blocks(num_words: int, lanes: int, run: Callable[[slice, slice], object]) -> None:
+    """``run(words, elements)`` for consecutive blocks of at most ``DECODE_BLOCK_WORDS`` words: the slices of the
+    block's words and of their ``lanes`` elements each."""
+    for lo in range(0, num_words, DECODE_BLOCK_WORDS):
+        hi = min(lo + DECODE_BLOCK_WORDS, num_words)
+        run(slice(lo, hi), slice(lo * lanes, hi * lanes))
 
 
 def _unpack_sums_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, numel: int,
                        offset: int) -> torch.Tensor:
     """int64 ``[numel]``: the lanes of ``word_sums`` minus ``offset`` (the W workers' offsets)."""
-    return unpack_lanes(word_sums, shifts, mask, numel).sub_(offset)
+    return word_lanes(word_sums, shifts, mask).view(-1)[:numel].sub_(offset)
 
 
 _pack_words = FusedKernel(pack_lanes)
