@@ -1,5 +1,5 @@
-"""``Op.ALLTOALL`` / ``Op.ALLGATHER`` over both transports (Horovod's all-to-alls whole and in pieces), and ``FP16``
-through them, in real workers."""
+"""``Op.ALLTOALL`` / ``Op.ALLGATHER`` over both transports (Horovod's all-to-alls and equal all-gathers whole
+and in pieces), and ``FP16`` through them, in real workers."""
 
 import pytest
 import torch
@@ -30,6 +30,10 @@ def _alltoall_worker(transport_name):
         pass
     out["bytes"] = transport.wait(handle)
     out["pieced"] = transport.collective(Op.ALLTOALL, sent.view(size, 4))  # 3 elements, then 1
+    handle = transport.start(Op.ALLGATHER_EQUAL, sent[:4].view(2, 2), name="gather")  # 8 bytes: 3 elements, 1
+    out["gather_pieces"] = [(lo, hi) for lo, hi, _ in handle.handles] if isinstance(handle, horovod._Pieces) else None
+    out["gathered"] = transport.wait(handle)
+    out["ragged"] = transport.collective(Op.ALLGATHER, sent[:4 + rank])  # plain: any sizes, never in pieces
     codec = FP16(error_feedback=True)
     out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport).clone()
                    for step in range(2)]  # the mean is the codec's buffer for "b", rewritten next step
@@ -48,6 +52,10 @@ def test_alltoall_and_fp16_over_real_transports(launcher):
         assert torch.equal(out["bytes"].view(torch.float16), want.to(torch.float16))
         assert torch.equal(out["pieced"], want.to(torch.float16).view(size, 4))
         assert out["pieces"] == (None if launcher == "mpi" else [(0, 6), (6, 8)])
+        assert out["gather_pieces"] == (None if launcher == "mpi" else [(0, 3), (3, 4)])
+        every = [(torch.arange(4 * size) + 100 * source).to(torch.float16) for source in range(size)]
+        assert torch.equal(out["gathered"], torch.cat([sent[:4].view(2, 2) for sent in every]))
+        assert torch.equal(out["ragged"], torch.cat([sent[:4 + source] for source, sent in enumerate(every)]))
         gathered = torch.cat([(torch.arange(3) + 100 * source) for source in range(size)]).to(torch.float16)
         assert torch.equal(out["allgather"], gathered)
     codecs = [FP16(error_feedback=True) for _ in range(size)]

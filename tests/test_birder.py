@@ -172,7 +172,7 @@ def test_exchange_requests_and_chunks():
     node_sums = words * 2  # both workers of the node sent all-ones
     op, packed = exchange.send(node_sums)
     chunk = shard_length(numel, 2)
-    assert chunk == 11 and op is Op.CROSS_ALLGATHER and packed.dtype == torch.uint8 and packed.numel() == 2
+    assert chunk == 11 and op is Op.CROSS_ALLGATHER_EQUAL and packed.dtype == torch.uint8 and packed.numel() == 2
     # this worker owns elements 11..21 (+1 padding element, sent as 0): all +1 with probability 1
     assert bytes_to_bits(packed, chunk).tolist() == [True] * 10 + [False]
     op, counts = exchange.send(torch.cat([packed, packed]))

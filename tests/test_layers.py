@@ -115,8 +115,9 @@ def test_transports_implement_the_protocol():
 
 def test_typed_ops():
     assert Op.PAYLOAD.carries_payload and Op.PAYLOAD.reduction is Reduction.SUM and Op.PAYLOAD.scope is Scope.WORLD
-    assert ([op.across_nodes() for op in (Op.SUM, Op.MAX, Op.PAYLOAD, Op.ALLGATHER, Op.ALLTOALL)]
-            == [Op.CROSS_SUM, Op.CROSS_MAX, Op.CROSS_SUM, Op.CROSS_ALLGATHER, Op.CROSS_ALLTOALL])
+    assert ([op.across_nodes() for op in (Op.SUM, Op.MAX, Op.PAYLOAD, Op.ALLGATHER, Op.ALLGATHER_EQUAL, Op.ALLTOALL)]
+            == [Op.CROSS_SUM, Op.CROSS_MAX, Op.CROSS_SUM, Op.CROSS_ALLGATHER, Op.CROSS_ALLGATHER_EQUAL,
+                Op.CROSS_ALLTOALL])
     for op in (Op.LOCAL_SUM, Op.CROSS_MAX, Op.LOCAL_ALLGATHER):
         with pytest.raises(ValueError, match="hierarchical"):
             op.across_nodes()

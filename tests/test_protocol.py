@@ -175,6 +175,14 @@ def test_alltoall_and_fp16_sum_each_chunk_once_at_float32():
                                               [4, 5, 14, 15, 24, 25]]
     with pytest.raises(ValueError, match="splits into 3 parts"):
         simulate([swap(torch.arange(5)) for _ in range(3)])
+
+    def gather(op, x):
+        return (yield op, x)
+
+    ragged = [torch.arange(rank + 1) for rank in range(3)]  # an all-gather may be ragged, unless it says otherwise
+    assert simulate([gather(Op.ALLGATHER, x) for x in ragged])[2].tolist() == [0, 0, 1, 0, 1, 2]
+    with pytest.raises(ValueError, match="ALLGATHER_EQUAL needs tensors of one shape"):
+        simulate([gather(Op.ALLGATHER_EQUAL, x) for x in ragged])
     gen = torch.Generator().manual_seed(0)
     for numel in (1, 7, 301):
         grads = [torch.randn(numel, generator=gen) * 100 for _ in range(3)]
@@ -193,8 +201,7 @@ class _Transport:
 @pytest.mark.parametrize("sums_float16", [None, False, True])
 def test_fp16_asks_for_a_float16_sum_only_where_the_transport_has_a_fast_one(sums_float16):
     """Over torch.distributed (``sums_float16``) one SUM of the float16 bucket, as DDP's fp16 hook sends it;
-    elsewhere the all-to-all and the all-gather (as an all-to-all of the chunk sum). The error feedback is the
-    same either way."""
+    elsewhere the all-to-all and the all-gather. The error feedback is the same either way."""
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(301, generator=gen) for _ in range(3)]
     codecs = [FP16(error_feedback=True) for _ in range(3)]
@@ -207,7 +214,7 @@ def test_fp16_asks_for_a_float16_sum_only_where_the_transport_has_a_fast_one(sum
     if sums_float16:
         assert ops == [(Op.SUM, torch.float16, 301)]
     else:
-        assert ops == [(Op.ALLTOALL, torch.float16, 303), (Op.ALLTOALL, torch.float16, 303)]  # the second: a gather
+        assert ops == [(Op.ALLTOALL, torch.float16, 303), (Op.ALLGATHER_EQUAL, torch.float16, 101)]
     want = sum(g.half().float() for g in grads) / 3
     for out in outputs:
         assert torch.equal(out, outputs[0])

@@ -4,8 +4,8 @@ of the float16 sums; and the residual's update with what rounding lost. Pure ten
 
 Every function writes into buffers its caller keeps per bucket (``HalfBuffers``). The passes over several
 tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
-``sum_rows_to_half`` (W reads; one write per copy of the sum), ``mean_from_half_sums`` (with the NaN/Inf
-check in the same pass) and ``add_rounding_error``.
+``sum_rows_to_half`` (W reads, one write), ``mean_from_half_sums`` (with the NaN/Inf check in the same pass)
+and ``add_rounding_error``.
 Compiled, they write straight into those buffers (no gradient-sized temporary; eagerly the chunk sum and the
 NaN/Inf check allocate one). Their ``_eager`` functions are the readable reference: the same float32
 operations in the same order, so both paths give the same bits (but for a NaN's payload: eager float16
@@ -22,15 +22,14 @@ from .fused import FusedKernel, static
 class HalfBuffers:
     """One bucket's buffers, kept across steps: ``send`` (float16 ``[padded]``: the values rounded to float16,
     then zeros; ``chunked``: ``padded`` is ``numel`` rounded up to a multiple of ``world_size``, else ``numel``),
-    ``chunk_sums`` (float16 ``[world_size, padded / world_size]``: this worker's chunk of the sum, once per
-    worker it goes to, when ``chunked``; else None) and ``mean`` (float32 ``[numel]``)."""
+    ``chunk_sum`` (float16 ``[padded / world_size]``: this worker's chunk of the sum, when ``chunked``; else
+    None) and ``mean`` (float32 ``[numel]``)."""
 
     def __init__(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> None:
         self.shape = (numel, world_size, chunked)
         padded = -(-numel // world_size) * world_size if chunked else numel
         self.send = torch.zeros(padded, dtype=torch.float16, device=device)  # the padding stays 0
-        self.chunk_sums = (torch.empty(world_size, padded // world_size, dtype=torch.float16, device=device)
-                           if chunked else None)
+        self.chunk_sum = torch.empty(padded // world_size, dtype=torch.float16, device=device) if chunked else None
         self.mean = torch.empty(numel, dtype=torch.float32, device=device)
 
     def fits(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> bool:
@@ -49,7 +48,7 @@ def _round_sum_eager(residual: torch.Tensor, flat: torch.Tensor, out: torch.Tens
 
 
 def _sum_rows_eager(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Each row of ``out`` <- ``rows[0] + rows[1] + ... + rows[W - 1]`` at float32, left to right, rounded once."""
+    """``out`` <- ``rows[0] + rows[1] + ... + rows[W - 1]`` at float32, left to right, rounded once."""
     partial = rows[0].float()
     for index in range(1, rows.shape[0]):  # rank order
         partial.add_(rows[index])
@@ -90,14 +89,12 @@ def round_to_half(flat: torch.Tensor, residual: torch.Tensor | None, out: torch.
 
 
 def sum_rows_to_half(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Each of the R rows of ``out`` (float16 ``[R, c]``) <- the sum of the W rows of ``rows`` (float16 ``[W, c]``:
-    one chunk per worker, by rank), added at float32 in rank order and rounded to float16 once, in one pass."""
+    """``out`` (float16 ``[c]``) <- the sum of the W rows of ``rows`` (float16 ``[W, c]``: one chunk per worker,
+    by rank), added at float32 in rank order and rounded to float16 once, in one pass."""
     if rows.dtype != torch.float16 or rows.dim() != 2 or not rows.shape[0]:
         raise ValueError(f"rows must be float16 [W >= 1, c], got {rows.dtype} {tuple(rows.shape)}")
-    if out.dim() != 2 or not out.shape[0]:
-        raise ValueError(f"out must be float16 [R >= 1, c], got {out.dtype} {tuple(out.shape)}")
-    _check("out", out, torch.float16, (out.shape[0], rows.shape[1]))
-    _sum_rows(static(rows, 0), static(out, 0))  # the loop over the rows unrolls: one graph per (W, R)
+    _check("out", out, torch.float16, (rows.shape[1],))
+    _sum_rows(static(rows, 0), out)  # the loop over the rows unrolls: one graph per W
 
 
 def mean_from_half_sums(sums: torch.Tensor, world_size: int, out: torch.Tensor, check_finite: bool = False) -> bool:

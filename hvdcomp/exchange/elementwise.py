@@ -52,12 +52,11 @@ class FP16(ElementwiseCodec):
     Over a transport that sums float16 at the wire's rate (``sums_float16``: torch.distributed's Gloo and
     NCCL, as DDP's fp16 hook uses them), one ``Op.SUM`` of the float16 bucket (the backend's rounding: a
     ring rounds each partial sum). Otherwise (Horovod, whose Gloo path sums float16 one element at a time
-    in software, and MPI) a reduce-scatter and an all-gather, both as ``Op.ALLTOALL``: the float16 bucket
+    in software, and MPI) a reduce-scatter and an all-gather: ``Op.ALLTOALL`` of the float16 bucket
     (padded to a multiple of W) gives each worker one chunk from every worker, which it sums at float32
-    and rounds to float16 once; then each worker sends its chunk's sum to every worker (the all-gather as
-    an all-to-all, which a transport may cut into pieces: Horovod's Gloo all-gather sends each part whole,
-    at about half the link's rate each way). The bytes of a ring all-reduce. Either way every worker gets
-    the same sums.
+    and rounds to float16 once, then ``Op.ALLGATHER_EQUAL`` of the float16 chunk sums (one shape on every
+    worker: ``HorovodTransport`` sends both in pieces). The bytes of a ring all-reduce. Either way every
+    worker gets the same sums.
 
     With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
     Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose
@@ -95,8 +94,8 @@ class FP16(ElementwiseCodec):
             total = yield Op.SUM, buffers.send
         else:
             received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
-            sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sums)  # [W, chunk]: one per worker
-            total = yield Op.ALLTOALL, buffers.chunk_sums.view(-1)  # every worker's chunk sum, by rank
+            sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sum)
+            total = yield Op.ALLGATHER_EQUAL, buffers.chunk_sum
         finite = mean_from_half_sums(total[:flat.numel()], world_size, buffers.mean, check_finite=residual is not None)
         if residual is not None and finite:  # what rounding to float16 lost
             add_rounding_error(residual, flat, half)

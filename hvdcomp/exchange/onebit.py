@@ -11,7 +11,7 @@ world_size=W)`` lanes (``bit_length(W)`` bits per element) through one ``Op.SUM`
   gets the exact node count ``c`` of +1s, i.e. the node mean ``2 c / L - 1`` at full precision;
 - chunks: local rank ``j`` owns shard ``j`` (``hierarchy.shard_bounds``, padded to ``shard_length``)
   and re-binarizes only that shard of the node mean, unbiasedly (+1 with probability ``c / L``);
-- inter-node: 1 bit per element and node, either an ``Op.CROSS_ALLGATHER`` of the bits packed 8 per
+- inter-node: 1 bit per element and node, either an ``Op.CROSS_ALLGATHER_EQUAL`` of the bits packed 8 per
   byte, an ``Op.CROSS_SUM`` of ``bit_length(N)``-bit lanes, or ``"two_stage"`` (below, among the
   nodes): ``cost.choose_inter_node`` picks among those allowed the one that sends fewest bytes under
   ring collectives (of the first two, the all-gather wins for N <= 6 and N = 8);
@@ -20,7 +20,7 @@ world_size=W)`` lanes (``bit_length(W)`` bits per element) through one ``Op.SUM`
 
 **Two-stage** (``two_stage_one_bit_mean``, about 2 bits per element at any group size ``G``): an
 ``Op.ALLTOALL`` sends part ``j`` of the packed bits to worker ``j``, which counts its part's +1s
-exactly and re-binarizes it (+1 with probability ``count / G``); an ``Op.ALLGATHER`` of the parts.
+exactly and re-binarizes it (+1 with probability ``count / G``); an ``Op.ALLGATHER_EQUAL`` of the parts.
 
 ``E[u_bar]`` is the mean over workers of each worker's ``E[u]``: given the draws, a node's (or a
 part owner's) re-binarized value has expectation the mean it re-binarizes; nodes are of equal size.
@@ -135,7 +135,7 @@ def hierarchical_one_bit_mean(
         counts = node_means.to(torch.int64)
         span = 1
     elif variant == "allgather":
-        gathered = yield Op.CROSS_ALLGATHER, bits_to_bytes(node_bits)
+        gathered = yield Op.CROSS_ALLGATHER_EQUAL, bits_to_bytes(node_bits)
         counts = bytes_to_bits(gathered.view(num_nodes, -1), chunk).sum(dim=0, dtype=torch.int64)
     else:
         cross_layout = LaneLayout(span=1, world_size=num_nodes)
@@ -169,7 +169,7 @@ def two_stage_one_bit_mean(bits: torch.Tensor, rng: torch.Tensor, group_size: in
     received = yield Op.ALLTOALL, bits_to_bytes(padded.view(group_size, part)).reshape(-1)
     counts = bytes_to_bits(received.view(group_size, -1), part).sum(dim=0, dtype=torch.int64)
     mine = binarize(counts.to(torch.float32).div_(group_size), rng, first)
-    gathered = yield Op.ALLGATHER, bits_to_bytes(mine)
+    gathered = yield Op.ALLGATHER_EQUAL, bits_to_bytes(mine)
     return bytes_to_bits(gathered.view(group_size, -1), part).reshape(-1)[:numel]
 
 

@@ -14,8 +14,8 @@ workers, part ``j`` going to the group's ``j``-th worker, which receives the par
 concatenated by sender rank, in the shape it sent) over a scope of workers:
 
 - ``Scope.WORLD``: every worker of the exchange (``Op.SUM``, ``Op.MAX``, ``Op.ALLGATHER``,
-  ``Op.ALLTOALL``, and ``Op.PAYLOAD``: the ``SUM`` of the packed words that carry the result, which a
-  transport may move differently);
+  ``Op.ALLGATHER_EQUAL``: one shape on every worker, ``Op.ALLTOALL``, and ``Op.PAYLOAD``: the ``SUM`` of the
+  packed words that carry the result, which a transport may move differently);
 - ``Scope.NODE``: the workers of this node (``Op.LOCAL_SUM``, ``Op.LOCAL_MAX``, ``Op.LOCAL_ALLGATHER``);
 - ``Scope.CROSS``: the workers with this worker's local rank, one per node (``Op.CROSS_*``).
 
@@ -54,20 +54,24 @@ class Reduction(Enum):
 
 
 class Op(Enum):
-    """A collective request: a reduction over a scope (see the module docstring)."""
+    """A collective request: a reduction over a scope (see the module docstring), and what else the transport
+    may rely on: ``PAYLOAD`` carries the result, ``*ALLGATHER_EQUAL`` gathers tensors of one shape on every
+    worker (so a transport may cut it into pieces without first learning the other workers' sizes)."""
 
-    SUM = (Scope.WORLD, Reduction.SUM, False)
-    MAX = (Scope.WORLD, Reduction.MAX, False)
-    PAYLOAD = (Scope.WORLD, Reduction.SUM, True)
-    ALLGATHER = (Scope.WORLD, Reduction.ALLGATHER, False)
-    ALLTOALL = (Scope.WORLD, Reduction.ALLTOALL, False)
-    LOCAL_SUM = (Scope.NODE, Reduction.SUM, False)
-    LOCAL_MAX = (Scope.NODE, Reduction.MAX, False)
-    LOCAL_ALLGATHER = (Scope.NODE, Reduction.ALLGATHER, False)
-    CROSS_SUM = (Scope.CROSS, Reduction.SUM, False)
-    CROSS_MAX = (Scope.CROSS, Reduction.MAX, False)
-    CROSS_ALLGATHER = (Scope.CROSS, Reduction.ALLGATHER, False)
-    CROSS_ALLTOALL = (Scope.CROSS, Reduction.ALLTOALL, False)
+    SUM = (Scope.WORLD, Reduction.SUM, "")
+    MAX = (Scope.WORLD, Reduction.MAX, "")
+    PAYLOAD = (Scope.WORLD, Reduction.SUM, "payload")
+    ALLGATHER = (Scope.WORLD, Reduction.ALLGATHER, "")
+    ALLGATHER_EQUAL = (Scope.WORLD, Reduction.ALLGATHER, "equal")
+    ALLTOALL = (Scope.WORLD, Reduction.ALLTOALL, "")
+    LOCAL_SUM = (Scope.NODE, Reduction.SUM, "")
+    LOCAL_MAX = (Scope.NODE, Reduction.MAX, "")
+    LOCAL_ALLGATHER = (Scope.NODE, Reduction.ALLGATHER, "")
+    CROSS_SUM = (Scope.CROSS, Reduction.SUM, "")
+    CROSS_MAX = (Scope.CROSS, Reduction.MAX, "")
+    CROSS_ALLGATHER = (Scope.CROSS, Reduction.ALLGATHER, "")
+    CROSS_ALLGATHER_EQUAL = (Scope.CROSS, Reduction.ALLGATHER, "equal")
+    CROSS_ALLTOALL = (Scope.CROSS, Reduction.ALLTOALL, "")
 
     @property
     def scope(self) -> Scope:
@@ -80,17 +84,23 @@ class Op(Enum):
     @property
     def carries_payload(self) -> bool:
         """True for ``PAYLOAD``: the words that carry the exchange's result."""
-        return self.value[2]
+        return self.value[2] == "payload"
+
+    @property
+    def equal_shapes(self) -> bool:
+        """True for ``ALLGATHER_EQUAL`` and ``CROSS_ALLGATHER_EQUAL``: every worker's tensor has one shape."""
+        return self.value[2] == "equal"
 
     def across_nodes(self) -> Op:
-        """The same reduction among the workers sharing this local rank (``WORLD`` ops only)."""
+        """The same request among the workers sharing this local rank (``WORLD`` ops only)."""
         if self.scope is not Scope.WORLD:
             raise ValueError(f"a codec inside a hierarchical exchange may not ask for {self}")
-        return _CROSS[self.reduction]
+        return _CROSS[self.reduction, self.equal_shapes]
 
 
-_CROSS = {Reduction.SUM: Op.CROSS_SUM, Reduction.MAX: Op.CROSS_MAX, Reduction.ALLGATHER: Op.CROSS_ALLGATHER,
-          Reduction.ALLTOALL: Op.CROSS_ALLTOALL}
+_CROSS = {(Reduction.SUM, False): Op.CROSS_SUM, (Reduction.MAX, False): Op.CROSS_MAX,
+          (Reduction.ALLGATHER, False): Op.CROSS_ALLGATHER, (Reduction.ALLGATHER, True): Op.CROSS_ALLGATHER_EQUAL,
+          (Reduction.ALLTOALL, False): Op.CROSS_ALLTOALL}
 
 Request = tuple[Op, torch.Tensor]
 Exchange = Generator[Request, torch.Tensor, Any]

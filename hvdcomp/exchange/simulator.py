@@ -34,6 +34,8 @@ def _reduce(op: Op, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if op.reduction is Reduction.MAX:
         result = torch.stack(tensors).amax(dim=0)
     elif op.reduction is Reduction.ALLGATHER:
+        if op.equal_shapes and len({tuple(t.shape) for t in tensors}) != 1:
+            raise ValueError(f"{op.name} needs tensors of one shape, got {sorted({tuple(t.shape) for t in tensors})}")
         result = torch.cat(tensors)
     else:
         result = torch.stack(tensors).sum(dim=0)

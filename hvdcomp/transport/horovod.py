@@ -6,10 +6,12 @@ dynamic process sets, ``hvdcomp.init()`` or ``hvd.init(process_sets="dynamic")``
 ``equal_nodes`` costs one all-gather, at its first read. Implements ``hvdcomp.exchange.protocol.Transport``.
 
 A large ``Op.ALLTOALL`` runs as several all-to-alls of at most ``ALLTOALL_PIECE_BYTES`` per destination
-(Horovod runs them one after another; it fuses no all-to-alls). Horovod's Gloo all-to-all sends each
-destination's part as one message, and a worker's Gloo thread reading its peer's equally large part leaves
-its own send waiting: at 1 Gbit/s, 23.5 MB per peer took 0.40 s in one all-to-all and 0.21 s in 512 KiB
-pieces (2 workers, the link's rate each way), and 0.063 s against 0.052 s at 10 Gbit/s.
+(Horovod runs them one after another; it fuses no all-to-alls), and so does a large ``*ALLGATHER_EQUAL``
+(each piece sent to every worker). Horovod's Gloo all-to-all and all-gather send each destination's part as
+one message, and a worker's Gloo thread reading its peer's equally large part leaves its own send waiting:
+at 1 Gbit/s, 23.5 MB per peer took 0.40 s in one all-to-all and 0.21 s in 512 KiB pieces (2 workers, the
+link's rate each way), 0.063 s against 0.052 s at 10 Gbit/s. An all-gather in pieces gains nothing: Horovod
+fuses them back into one.
 """
 
 from __future__ import annotations
@@ -65,30 +67,32 @@ def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
 
 @dataclass
 class _Pieces:
-    """An all-to-all in flight as pieces: ``out`` (``[W, part]``, the result's rows by sender) and, per piece,
-    its columns ``[lo, hi)`` and Horovod handle."""
+    """A collective in flight as all-to-alls of pieces: ``out`` (``[W, part]``, the result's rows by sender), its
+    ``shape``, and per piece its columns ``[lo, hi)`` and Horovod handle."""
 
     out: torch.Tensor
-    shape: torch.Size
+    shape: tuple[int, ...]
     handles: list[tuple[int, int, Any]]
 
 
-def _alltoall_in_pieces(tensor: torch.Tensor, name: str | None, group: hvd.ProcessSet) -> _Pieces | None:
-    """Start ``tensor``'s all-to-all as pieces of at most ``ALLTOALL_PIECE_BYTES`` per destination, or None
-    where it is that small (or does not split into ``group.size()`` equal parts: Horovod's error then)."""
+def _in_pieces(tensor: torch.Tensor, gather: bool, name: str | None, group: hvd.ProcessSet) -> _Pieces | None:
+    """Start ``tensor``'s all-to-all (``gather``: its all-gather, every piece sent to every worker) as pieces of
+    at most ``ALLTOALL_PIECE_BYTES`` per destination, or None where it is that small (or an all-to-all does not
+    split into ``group.size()`` equal parts: Horovod's error then)."""
     workers = group.size()
-    if not tensor.dim() or tensor.shape[0] % workers:
+    if not tensor.dim() or (not gather and tensor.shape[0] % workers):
         return None
-    rows = tensor.reshape(workers, -1)
+    parts = tensor.reshape(1, -1) if gather else tensor.reshape(workers, -1)
     width = max(1, ALLTOALL_PIECE_BYTES // tensor.element_size())
-    if rows.shape[1] <= width:
+    if parts.shape[1] <= width:
         return None
-    pieces = _Pieces(torch.empty_like(rows), tensor.shape, [])
-    for index, lo in enumerate(range(0, rows.shape[1], width)):
-        hi = min(lo + width, rows.shape[1])
+    shape = (workers * tensor.shape[0], *tensor.shape[1:]) if gather else tuple(tensor.shape)
+    pieces = _Pieces(tensor.new_empty(workers, parts.shape[1]), shape, [])
+    for index, lo in enumerate(range(0, parts.shape[1], width)):
+        hi = min(lo + width, parts.shape[1])
+        piece = parts[:, lo:hi].expand(workers, hi - lo).contiguous().view(-1)
         piece_name = None if name is None else f"{name}.piece{index}"
-        pieces.handles.append((lo, hi, hvd.alltoall_async(rows[:, lo:hi].contiguous().view(-1), name=piece_name,
-                                                          process_set=group)))
+        pieces.handles.append((lo, hi, hvd.alltoall_async(piece, name=piece_name, process_set=group)))
     return pieces
 
 
@@ -150,9 +154,10 @@ class HorovodTransport:
         group = self._group(op)
         try:
             if op.reduction is Reduction.ALLGATHER:
-                return hvd.allgather_async(tensor, name=name, process_set=group)
+                pieces = _in_pieces(tensor, True, name, group) if op.equal_shapes else None
+                return pieces if pieces is not None else hvd.allgather_async(tensor, name=name, process_set=group)
             if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any dtype)
-                pieces = _alltoall_in_pieces(tensor, name, group)
+                pieces = _in_pieces(tensor, False, name, group)
                 return pieces if pieces is not None else hvd.alltoall_async(tensor, name=name, process_set=group)
             reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
             return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
