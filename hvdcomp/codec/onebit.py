@@ -147,8 +147,9 @@ _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
 def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[numel]``: the mean of ``layout.world_size`` workers' ±1 values from the sums of their bits'
-    words (``layout``: ``span=1``, no offset), in one fused pass. It is a view of ``out`` if given: a 1-D float32
-    buffer of at least ``layout.num_words(numel) * layout.lanes_per_word`` elements (whole words are decoded)."""
+    words (``layout``: ``span=1``, no offset), in one fused pass per block of ``packing.DECODE_BLOCK_WORDS``
+    words. It is a view of ``out`` if given: a 1-D float32 buffer of at least ``layout.num_words(numel) *
+    layout.lanes_per_word`` elements (whole words are decoded)."""
     if layout.span != 1 or layout.offset:
         raise ValueError(f"mean_from_lane_sums needs a layout of bits (span 1, offset 0), got {layout}")
     layout.check_words(word_sums, numel)
