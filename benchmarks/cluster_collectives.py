@@ -52,11 +52,14 @@ def _collectives(elements: int) -> list[tuple[str, float, Callable[[], Any]]]:
     ]
 
 
-def worker(elements: int, reps: int, out: Path) -> None:
+def worker(elements: int, reps: int, piece_kib: int, out: Path) -> None:
     """Time every collective in this Horovod worker; rank 0 writes the rows to ``out`` (JSON)."""
     import horovod.torch as hvd
     import torch
 
+    from hvdcomp.transport import horovod
+
+    horovod.ALLTOALL_PIECE_BYTES = piece_kib * 1024
     hvd.init()
     torch.set_num_threads(1)
     rows = []
@@ -80,10 +83,11 @@ def main() -> int:
     parser.add_argument("--rate", default="1gbit", help="link rate in tc units (default 1gbit)")
     parser.add_argument("--elements", type=int, default=23_520_842, help="values per worker (ResNet-50's)")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--piece-kib", type=int, default=512, help="HorovodTransport's piece size (default 512)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # inside a node: write the rows here
     args = parser.parse_args()
     if args.worker:
-        worker(args.elements, args.reps, args.worker)
+        worker(args.elements, args.reps, args.piece_kib, args.worker)
         return 0
     reason = why_unavailable()
     if reason:
@@ -94,7 +98,7 @@ def main() -> int:
         layout = argparse.Namespace(workers_per_node=1)
         server, port = _start_rendezvous(cluster, layout)
         command = [sys.executable, __file__, "--worker", str(out), "--elements", str(args.elements),
-                   "--reps", str(args.reps)]
+                   "--reps", str(args.reps), "--piece-kib", str(args.piece_kib)]
         workers = [subprocess.Popen(cluster.exec_prefix(node) + command,
                                     env={**os.environ, **_horovod_env(cluster, layout, node, 0, port),
                                          "PYTHONPATH": str(REPO_ROOT)})
@@ -107,7 +111,8 @@ def main() -> int:
             print(f"cluster_collectives.py: a worker failed (exit codes {failed})", file=sys.stderr)
             return 1
         rows = json.loads(out.read_text())
-    print(f"{args.nodes} nodes x 1 worker, {args.rate} links, {args.elements} values, median/min of {args.reps}")
+    print(f"{args.nodes} nodes x 1 worker, {args.rate} links, {args.elements} values, pieces of {args.piece_kib} KiB, "
+          f"median/min of {args.reps}")
     print("| collective | MB sent | median s | min s | Gbit/s |\n|---|---|---|---|---|")
     for row in rows:
         rate = row["sent_mb"] * 8e-3 / row["median_s"]
