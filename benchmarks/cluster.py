@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _horovod_env(cluster: Cluster, args: argparse.Namespace, node: int, local: int, port: int) -> dict[str, str]:
+def horovod_env(cluster: Cluster, args: argparse.Namespace, node: int, local: int, port: int) -> dict[str, str]:
     """Horovod's per-worker variables, as ``horovod.runner.gloo_run`` / ``horovod.ray`` set them."""
     return {"HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.address(0), "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
             "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": INTERFACE,
@@ -105,19 +105,19 @@ def _ddp_env(cluster: Cluster, args: argparse.Namespace, node: int, local: int) 
             "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(args.workers_per_node), "GLOO_SOCKET_IFNAME": INTERFACE}
 
 
-def _start_rendezvous(cluster: Cluster, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+def start_rendezvous(cluster: Cluster, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     """Horovod's rendezvous server in node 0's namespace; returns it and its port."""
     hosts = ",".join(f"{cluster.node_name(i)}:{args.workers_per_node}" for i in range(cluster.nodes))
     server = subprocess.Popen(cluster.exec_prefix(0) + [sys.executable, str(HERE / "cluster_rendezvous.py"), hosts],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     line = server.stdout.readline().strip()
     if not line.isdigit():
-        _stop([server])
+        stop_processes([server])
         raise RuntimeError(f"Horovod's rendezvous server did not start (printed {line!r})")
     return server, int(line)
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
+def stop_processes(processes: list[subprocess.Popen]) -> None:
     """Kill each process's whole session (a worker and anything it started) and reap it."""
     for process in processes:
         if process.poll() is None:
@@ -168,13 +168,13 @@ def run_scheme(cluster: Cluster, args: argparse.Namespace, scheme: str, index: i
             if ddp:
                 command += ["--ddp-init", f"tcp://{cluster.address(0)}:{DDP_PORT + index}"]
             else:
-                server, rendezvous_port = _start_rendezvous(cluster, args)
+                server, rendezvous_port = start_rendezvous(cluster, args)
                 processes.append(server)
             python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
             for node in range(cluster.nodes):
                 for local in range(args.workers_per_node):
                     extra = (_ddp_env(cluster, args, node, local) if ddp
-                             else _horovod_env(cluster, args, node, local, rendezvous_port))
+                             else horovod_env(cluster, args, node, local, rendezvous_port))
                     env = {**os.environ, **extra, "PYTHONPATH": python_path}
                     log = open(out / f"rank{node * args.workers_per_node + local}.log", "w")
                     processes.append(subprocess.Popen(cluster.exec_prefix(node) + command, env=env, stdout=log,
@@ -182,7 +182,7 @@ def run_scheme(cluster: Cluster, args: argparse.Namespace, scheme: str, index: i
                     log.close()
             return _watch(base, processes[-workers:], out, workers, args)
         finally:
-            _stop(processes)
+            stop_processes(processes)
             if args.logs:
                 kept = Path(args.logs) / cluster.rate / scheme.replace(":", "-")
                 shutil.copytree(out, kept, dirs_exist_ok=True)
@@ -202,7 +202,7 @@ def _watch(base: dict[str, Any], workers: list[subprocess.Popen], out: Path, cou
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             time.sleep(KILL_GRACE_S)  # let the others print their side of it
-            _stop(workers)
+            stop_processes(workers)
             return cluster_report.failed(base, "error", f"rank {failed[0]} exited {codes[failed[0]]}: "
                                                         f"{_error_line(out, count, failed[0])}")
         latest, steps = _progress(out, count)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster import REPO_ROOT, _horovod_env, _start_rendezvous, _stop
+from cluster import REPO_ROOT, horovod_env, start_rendezvous, stop_processes
 from cluster_netns import Cluster, why_unavailable
 
 
@@ -96,17 +96,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hvdcomp-collectives-") as tmp, Cluster(args.nodes, args.rate) as cluster:
         out = Path(tmp) / "rows.json"
         layout = argparse.Namespace(workers_per_node=1)
-        server, port = _start_rendezvous(cluster, layout)
+        server, port = start_rendezvous(cluster, layout)
         command = [sys.executable, __file__, "--worker", str(out), "--elements", str(args.elements),
                    "--reps", str(args.reps), "--piece-kib", str(args.piece_kib)]
         workers = [subprocess.Popen(cluster.exec_prefix(node) + command,
-                                    env={**os.environ, **_horovod_env(cluster, layout, node, 0, port),
+                                    env={**os.environ, **horovod_env(cluster, layout, node, 0, port),
                                          "PYTHONPATH": str(REPO_ROOT)})
                    for node in range(args.nodes)]
         try:
             failed = [w.wait() for w in workers]
         finally:
-            _stop([server, *workers])
+            stop_processes([server, *workers])
         if any(failed) or not out.exists():
             print(f"cluster_collectives.py: a worker failed (exit codes {failed})", file=sys.stderr)
             return 1
