@@ -25,6 +25,11 @@ def _lanes(k):
     return 63 // k.bit_length()
 
 
+def _world_sum_bytes(numel, k):
+    """Bytes of the world route's words: whole blocks of 16 words in the blocked order."""
+    return 8 * 16 * math.ceil(numel / (16 * _lanes(k)))
+
+
 def _z_scores(errors):
     """errors [draws, numel] -> |mean| / standard error, per element."""
     std = errors.std(dim=0).clamp_min(1e-12)
@@ -265,7 +270,7 @@ def test_replicas_stay_identical_masking_and_bytes(world_size, local_size, inter
             assert s["control_bytes"] == flags + (mask_sync if step == 0 else 0)
             if num_nodes == 1:
                 assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
-                assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(world_size))
+                assert s["inter_node_bytes"] == _world_sum_bytes(numel, world_size)
                 continue
             variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
             assert s["route"] == f"hierarchical:{variant}"
@@ -345,7 +350,7 @@ def test_flat_path_when_not_hierarchical_or_one_worker_per_node(local_size, hier
     numel = sum(math.prod(s) for s in SHAPES)
     s = stats[-1][0]
     assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
-    assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(4))
+    assert s["inter_node_bytes"] == _world_sum_bytes(numel, 4)
 
 
 def test_no_elements():
@@ -386,9 +391,11 @@ def _logged(exchange, log):
 def test_world_route_chunks_are_one_draw(monkeypatch):
     """The world route's chunks (word and stream-block aligned) give the parameters and state of one sum,
     with one SUM request per chunk and the same bytes in all."""
+    from hvdcomp.codec import packing
     from hvdcomp.exchange import onebit
 
     assert onebit.world_chunks(1016, 2) == [(0, 1016)]
+    monkeypatch.setattr(packing, "LANE_BLOCK_WORDS", 4)  # blocks of 124 elements: several chunks of few
     assert onebit.world_chunks(0, 2) == []
     runs = []
     for chunk_elements in (onebit.WORLD_CHUNK_ELEMENTS, 100):

@@ -98,6 +98,11 @@ def _lanes(k):
     return 63 // k.bit_length()
 
 
+def _world_sum_bytes(numel, k):
+    """Bytes of the world route's words: whole blocks of 16 words in the blocked order."""
+    return 8 * 16 * math.ceil(numel / (16 * _lanes(k)))
+
+
 def _check(results, world_size, local_size, inter_node):
     numel = sum(math.prod(s) for s in SHAPES)
     num_nodes = world_size // local_size
@@ -127,7 +132,7 @@ def _check(results, world_size, local_size, inter_node):
                 continue
             if num_nodes == 1:  # flat: one lane sum, bit_length(W) bits per element
                 assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
-                assert s["inter_node_bytes"] == 8 * math.ceil(numel / _lanes(world_size))
+                assert s["inter_node_bytes"] == _world_sum_bytes(numel, world_size)
                 continue
             chunk = math.ceil(numel / local_size)
             variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
@@ -140,11 +145,11 @@ def _check(results, world_size, local_size, inter_node):
 
 
 def test_flat_gloo_np2():
-    """With chunks of 248 elements (5 sums in flight together), equal to one sum in the simulation."""
+    """With chunks of 496 elements (3 sums in flight together), equal to one sum in the simulation."""
     results = run_function(_worker, np=2, kwargs={"inter_node": "auto", "chunk_elements": 200}, timeout=120)
     s = _check(results, 2, 2, "auto")
     bits_per_element = 32 * s["inter_node_bytes"] / s["uncompressed_bytes"]
-    assert bits_per_element == pytest.approx(64 / 31, rel=0.01)  # ~2.06
+    assert bits_per_element == 32 * 3 * 16 * 8 / (4 * 1016)  # 3 chunks of one block of 16 words: ~3.02
 
 
 def test_hierarchical_gloo_two_nodes():

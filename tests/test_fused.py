@@ -18,6 +18,8 @@ from torch._dynamo.utils import counters
 from hvdcomp.codec import fused, packing
 from hvdcomp.codec.onebit import (
     binarize,
+    bit_lane_words,
+    bit_padding,
     draw_bits,
     draw_lane_words,
     gradient_checks,
@@ -122,37 +124,61 @@ def test_codec_exchange_fused_equals_eager():
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 8])
-@pytest.mark.parametrize("block_words", [None, 3])
-def test_lane_packing_and_bit_means_fused_equal_eager(world_size, block_words, monkeypatch):
-    """Birder's lanes (bits of W workers) and a signed layout with an offset: pack, unpack and the mean of
-    the summed bits on both paths, and the sums are the workers' sums; the mean decoded in one block or in
-    blocks of 3 words (the last one ragged, or of one word)."""
-    if block_words is not None:
-        monkeypatch.setattr(packing, "DECODE_BLOCK_WORDS", block_words)
+@pytest.mark.parametrize("decode_words", [None, 32])
+def test_lane_packing_and_bit_means_fused_equal_eager(world_size, decode_words, monkeypatch):
+    """Birder's lanes (bits of W workers) in the blocked order, and a signed layout with an offset in
+    ``pack_lanes``' order: pack, unpack and the mean of the summed bits on both paths, and the sums are the
+    workers' sums; the mean decoded in one call or in calls of two blocks of words (the last one ragged)."""
+    if decode_words is not None:
+        monkeypatch.setattr(packing, "DECODE_BLOCK_WORDS", decode_words)
     gen = torch.Generator().manual_seed(world_size)
+    bit_layout, signed = LaneLayout(span=1, world_size=world_size), LaneLayout.for_levels(2, world_size)
     for numel in SIZES:
-        for layout, low, high in [(LaneLayout(span=1, world_size=world_size), 0, 2),
-                                  (LaneLayout.for_levels(2, world_size), -2, 3)]:
-            values = [torch.randint(low, high, (numel,), generator=gen, dtype=torch.int64) for _ in range(world_size)]
-            values = [v.to(torch.uint8) for v in values] if low == 0 else values
-            words = [layout.pack(v, validate=False) for v in values]
-            word_sums = torch.stack(words).sum(dim=0)
-            got = (torch.stack(words), layout.unpack(word_sums, numel))
-            with fused.eager():
-                want = (torch.stack([layout.pack(v, validate=False) for v in values]), layout.unpack(word_sums, numel))
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (layout, numel)
-            assert torch.equal(got[1], torch.stack(values).long().sum(dim=0))
-            if low == 0:
-                buffer = torch.full((numel + 63,), 7.0)  # whole words are decoded into it
-                mean = mean_from_lane_sums(word_sums, layout, numel, out=buffer)
-                with fused.eager():
-                    assert torch.equal(mean, mean_from_lane_sums(word_sums, layout, numel))
-                assert mean._base is buffer or not numel  # a view of the buffer (0 elements: no storage)
-                assert torch.equal(mean, mean_from_counts(got[1], world_size))
+        values = [torch.randint(-2, 3, (numel,), generator=gen, dtype=torch.int64) for _ in range(world_size)]
+        words = [signed.pack(v, validate=False) for v in values]
+        word_sums = torch.stack(words).sum(dim=0)
+        got = (torch.stack(words), signed.unpack(word_sums, numel))
+        with fused.eager():
+            want = (torch.stack([signed.pack(v, validate=False) for v in values]), signed.unpack(word_sums, numel))
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), numel
+        assert torch.equal(got[1], torch.stack(values).sum(dim=0))
+
+        bits = [torch.randint(0, 2, (numel,), generator=gen, dtype=torch.uint8) for _ in range(world_size)]
+        bit_words = torch.stack([bit_lane_words(v, bit_layout) for v in bits])
+        with fused.eager():
+            assert torch.equal(bit_words, torch.stack([bit_lane_words(v.bool(), bit_layout) for v in bits]))
+        assert bit_words.shape[1] == packing.lane_block_words(numel, bit_layout.lanes_per_word)
+        bit_sums = bit_words.sum(dim=0)
+        buffer = torch.full((numel + bit_padding(bit_layout),), 7.0)  # whole blocks are decoded into it
+        mean = mean_from_lane_sums(bit_sums, bit_layout, numel, out=buffer)
+        with fused.eager():
+            assert torch.equal(mean, mean_from_lane_sums(bit_sums, bit_layout, numel))
+        assert mean._base is buffer or not numel  # a view of the buffer (0 elements: no storage)
+        assert torch.equal(mean, mean_from_counts(torch.stack(bits).long().sum(dim=0), world_size))
     with pytest.raises(ValueError):
-        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout.for_levels(1, world_size), 3)
+        mean_from_lane_sums(torch.zeros(16, dtype=torch.int64), signed, 3)
     with pytest.raises(ValueError):
-        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), LaneLayout(1, world_size), 3, out=torch.zeros(3))
+        mean_from_lane_sums(torch.zeros(16, dtype=torch.int64), bit_layout, 3, out=torch.zeros(3))
+    with pytest.raises(ValueError):
+        mean_from_lane_sums(torch.zeros(1, dtype=torch.int64), bit_layout, 3)  # not a whole block
+
+
+def test_blocked_order_places_values():
+    """Lane ``l`` of word ``B k + j`` holds value ``L B k + B l + j``, eagerly and compiled."""
+    layout = LaneLayout(span=1, world_size=2)
+    lanes, block = layout.lanes_per_word, packing.LANE_BLOCK_WORDS
+    numel = 2 * lanes * block + 5
+    index = torch.arange(numel)
+    for value in range(0, numel, 7):
+        bits = (index == value).to(torch.uint8)
+        for context in (contextlib.nullcontext(), fused.eager()):
+            with context:
+                words = bit_lane_words(bits, layout)
+            k, rest = divmod(value, lanes * block)
+            lane, j = divmod(rest, block)
+            expected = torch.zeros(3 * block, dtype=torch.int64)
+            expected[block * k + j] = 1 << (lane * layout.lane_width)
+            assert torch.equal(words, expected), value
 
 
 def test_birder_moments_and_draws_fused_equal_eager():
@@ -178,7 +204,7 @@ def test_birder_moments_and_draws_fused_equal_eager():
         assert torch.equal(m[0], start[0][0]) and torch.equal(b[-1], start[1][-1])  # outside the slices: kept
         inner = slice(1, numel + 1)
         torch.testing.assert_close(m[inner], 0.9 * start[0][inner] + 0.1 * grad, rtol=1e-6, atol=1e-6)
-        assert torch.equal(words, layout.pack(bits.view(torch.uint8), validate=False))
+        assert torch.equal(words, bit_lane_words(bits, layout))
         v = uniform(numel + 3, rng) * 2 - 1
         assert torch.equal(bits, (v * b < m) | ((b == 0) & (v < 0)))
         if numel > 4000:

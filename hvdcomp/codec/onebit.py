@@ -20,7 +20,16 @@ from __future__ import annotations
 import torch
 
 from .fused import FusedKernel
-from .packing import LaneLayout, in_word_blocks, map_lanes, pack_lanes
+from .packing import (
+        LaneLayout,
+    as_uint8,
+    in_lane_blocks,
+    in_word_blocks,
+    lane_block_values,
+    lane_block_words,
+    map_lane_blocks,
+    pack_lane_blocks,
+)
 from .random import uniform
 
 
@@ -87,15 +96,16 @@ def _draw_bits_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: t
     out.copy_(_draw_eager(m, b, rng))
 
 
-def _draw_lane_words_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, shifts: torch.Tensor,
-                           first: int) -> torch.Tensor:
-    """int64 words of ``_draw_eager(m, b, rng, first)`` packed into the lanes of ``shifts``."""
-    return pack_lanes(_draw_eager(m, b, rng, first), shifts)
+def _draw_lane_blocks_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, shifts: torch.Tensor,
+                            first: int) -> torch.Tensor:
+    """int64 words of ``_draw_eager(m, b, rng, first)`` (whole blocks) in the blocked order of ``shifts``' lanes."""
+    return pack_lane_blocks(_draw_eager(m, b, rng, first), shifts)
 
 
 _binarize = FusedKernel(_binarize_eager)
 _draw_bits = FusedKernel(_draw_bits_eager, in_place=True)
-_draw_lane_words = FusedKernel(_draw_lane_words_eager)
+_draw_lane_blocks = FusedKernel(_draw_lane_blocks_eager)
+_pack_bit_blocks = FusedKernel(pack_lane_blocks)
 
 
 def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -113,14 +123,31 @@ def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Te
     return out
 
 
+def _check_bit_layout(layout: LaneLayout, caller: str) -> None:
+    if layout.span != 1 or layout.offset:
+        raise ValueError(f"{caller} needs a layout of bits (span 1, offset 0), got {layout}")
+
+
+def bit_lane_words(bits: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
+    """int64 ``[packing.lane_block_words(n, L)]``: bits (bool or 0/1 uint8 ``[n]``) in the summable lanes of
+    ``layout`` (span 1, no offset) in the blocked order (``packing.pack_lane_blocks``; zero past ``n``), the
+    words ``mean_from_lane_sums`` decodes."""
+    _check_bit_layout(layout, "bit_lane_words")
+    bits = as_uint8(bits.reshape(-1))
+    shifts = layout.lane_shifts(bits.device)
+    return in_lane_blocks(bits.numel(), shifts, lambda end: _pack_bit_blocks(bits[:end], shifts),
+                          lambda end: bits[end:])
+
+
 def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout,
                     first: int = 0) -> torch.Tensor:
-    """int64 ``[layout.num_words(n)]``: the draw of ``draw_bits(m, b, rng)``, from uniforms ``first ...`` of
-    ``rng`` (a multiple of 4: elements ``first ...`` of a larger draw, the same bits), packed into the summable
-    lanes of ``layout`` (span 1, no offset), in one fused pass (no bit or probability buffer)."""
-    if layout.span != 1 or layout.offset:
-        raise ValueError(f"draw_lane_words needs a layout of bits (span 1, offset 0), got {layout}")
-    return _draw_lane_words(m, b, rng, layout.lane_shifts(m.device), first)
+    """``bit_lane_words`` of the draw ``draw_bits(m, b, rng)``, from uniforms ``first ...`` of ``rng`` (a multiple
+    of 4: elements ``first ...`` of a larger draw, the same bits): the whole blocks in one fused pass (no bit or
+    probability buffer), the last, partial one apart."""
+    _check_bit_layout(layout, "draw_lane_words")
+    shifts = layout.lane_shifts(m.device)
+    return in_lane_blocks(m.numel(), shifts, lambda end: _draw_lane_blocks(m[:end], b[:end], rng, shifts, first),
+                          lambda end: _draw_eager(m[end:], b[end:], rng, first + end))
 
 
 def bits_to_signs(bits: torch.Tensor) -> torch.Tensor:
@@ -135,10 +162,9 @@ def mean_from_counts(counts: torch.Tensor, group: int) -> torch.Tensor:
 
 def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, group: int,
                            out: torch.Tensor) -> None:
-    """``out`` (float32 ``[words * L]``) <- ``mean_from_counts`` of every lane of ``word_sums`` (whole words, no
-    slicing: one vectorized loop)."""
-    means = map_lanes(word_sums, shifts, mask, lambda counts, _: mean_from_counts(counts, group))
-    out.view(means.shape).copy_(means)
+    """``out`` (float32 ``[words * L]``) <- ``mean_from_counts`` of every lane of ``word_sums`` (whole blocks of
+    the blocked order)."""
+    out.copy_(map_lane_blocks(word_sums, shifts, mask, lambda counts: mean_from_counts(counts, group)))
 
 
 _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
@@ -146,20 +172,28 @@ _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)
 
 def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int,
                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[numel]``: the mean of ``layout.world_size`` workers' ±1 values from the sums of their bits'
-    words (``layout``: ``span=1``, no offset), in one fused pass per block of ``packing.DECODE_BLOCK_WORDS``
-    words. It is a view of ``out`` if given: a 1-D float32 buffer of at least ``layout.num_words(numel) *
-    layout.lanes_per_word`` elements (whole words are decoded)."""
-    if layout.span != 1 or layout.offset:
-        raise ValueError(f"mean_from_lane_sums needs a layout of bits (span 1, offset 0), got {layout}")
-    layout.check_words(word_sums, numel)
-    decoded = word_sums.numel() * layout.lanes_per_word
+    """float32 ``[numel]``: the mean of ``layout.world_size`` workers' ±1 values from the sums of their
+    ``bit_lane_words`` (``layout``: ``span=1``, no offset), in one fused pass per ``packing.DECODE_BLOCK_WORDS``
+    words. It is a view of ``out`` if given: a 1-D float32 buffer of at least ``len(word_sums) *
+    layout.lanes_per_word`` elements (whole blocks are decoded; ``n + bit_padding(layout)`` always suffice)."""
+    _check_bit_layout(layout, "mean_from_lane_sums")
+    lanes = layout.lanes_per_word
+    if word_sums.dtype != torch.int64 or word_sums.dim() != 1:
+        raise TypeError(f"expected 1-D int64 word sums, got {word_sums.dtype} {tuple(word_sums.shape)}")
+    if word_sums.numel() != lane_block_words(numel, lanes):
+        raise ValueError(f"{word_sums.numel()} words do not hold {numel} elements of {layout}")
+    decoded = word_sums.numel() * lanes
     if out is None:
         out = torch.empty(decoded, dtype=torch.float32, device=word_sums.device)
     elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() < decoded:
         raise ValueError(f"out must be 1-D float32 of at least {decoded} elements, got {out.dtype} "
                          f"{tuple(out.shape)}")
     shifts = layout.lane_shifts(word_sums.device)
-    in_word_blocks(word_sums.numel(), layout.lanes_per_word, lambda words, elements: _mean_from_words(
+    in_word_blocks(word_sums.numel(), lanes, lambda words, elements: _mean_from_words(
         word_sums[words], shifts, layout.lane_mask, layout.world_size, out[elements]))
     return out[:numel]
+
+
+def bit_padding(layout: LaneLayout) -> int:
+    """Elements past ``n`` that ``mean_from_lane_sums`` may write: less than one block of the blocked order."""
+    return lane_block_values(layout.lanes_per_word)

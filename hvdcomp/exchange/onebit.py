@@ -36,8 +36,16 @@ from __future__ import annotations
 
 import torch
 
-from ..codec.onebit import binarize, bits_to_signs, draw_bits, draw_lane_words, mean_from_counts, mean_from_lane_sums
-from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits
+from ..codec.onebit import (
+    binarize,
+    bit_lane_words,
+    bits_to_signs,
+    draw_bits,
+    draw_lane_words,
+    mean_from_counts,
+    mean_from_lane_sums,
+)
+from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits, lane_block_values
 from ..codec.random import OUTPUTS_PER_BLOCK
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
 from .hierarchy import across_nodes, shard_bounds, shard_length
@@ -45,20 +53,20 @@ from .protocol import Exchange, Op, Topology
 
 
 def one_bit_mean(bits: torch.Tensor, world_size: int, out: torch.Tensor | None = None) -> Exchange:
-    """Exact mean (float32) of the workers' ±1 values (``bits``: True for +1), one ``Op.SUM`` of lanes; it is
-    decoded into ``out`` (``codec.onebit.mean_from_lane_sums``: ``bits.numel() + 62`` elements always suffice) if
-    given and several workers exchange."""
+    """Exact mean (float32) of the workers' ±1 values (``bits``: True for +1), one ``Op.SUM`` of lanes
+    (``codec.onebit.bit_lane_words``); it is decoded into ``out`` (``codec.onebit.mean_from_lane_sums``:
+    ``bits.numel() + bit_padding(layout)`` elements always suffice) if given and several workers exchange."""
     numel = bits.numel()
     if world_size == 1 or numel == 0:
         return bits_to_signs(bits)
     layout = LaneLayout(span=1, world_size=world_size)
-    return (yield from lane_words_mean(layout.pack(as_uint8(bits.reshape(-1)), validate=False), numel, world_size,
-                                       out))
+    return (yield from lane_words_mean(bit_lane_words(bits, layout), numel, world_size, out))
 
 
 def lane_words_mean(words: torch.Tensor, numel: int, world_size: int, out: torch.Tensor | None = None) -> Exchange:
     """``one_bit_mean`` of bits this worker has already packed into ``LaneLayout(span=1, world_size)`` words
-    (int64, e.g. by ``codec.onebit.draw_lane_words``): one ``Op.SUM`` of them, decoded into ``out`` if given."""
+    (int64 ``bit_lane_words``, e.g. by ``codec.onebit.draw_lane_words``): one ``Op.SUM`` of them, decoded into
+    ``out`` if given."""
     layout = LaneLayout(span=1, world_size=world_size)
     word_sums = yield Op.SUM, words
     return mean_from_lane_sums(word_sums, layout, numel, out)
@@ -69,8 +77,9 @@ WORLD_CHUNK_ELEMENTS = 1 << 21  # Birder's world route sums its draw in chunks o
 
 def world_chunks(numel: int, world_size: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` chunks of about ``WORLD_CHUNK_ELEMENTS`` that cover ``numel`` elements, each starting on a
-    whole word of ``LaneLayout(span=1, world_size)`` and on a block of the random streams."""
-    unit = OUTPUTS_PER_BLOCK * LaneLayout(span=1, world_size=world_size).lanes_per_word
+    whole block of words of ``LaneLayout(span=1, world_size)`` in the blocked order (``bit_lane_words``), which
+    is also a block of the random streams (``packing.LANE_BLOCK_WORDS`` is a multiple of their 4 outputs)."""
+    unit = lane_block_values(LaneLayout(span=1, world_size=world_size).lanes_per_word)
     size = -(-numel // max(1, -(-numel // WORLD_CHUNK_ELEMENTS)))
     size = max(unit, -(-size // unit) * unit)
     return [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
@@ -80,8 +89,8 @@ def drawn_lane_mean(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lo: int
                     out: torch.Tensor) -> Exchange:
     """The exact mean over the workers of their draws of elements ``[lo, hi)`` of float32 ``m`` and ``b``
     (``codec.onebit.draw_lane_words``, uniforms ``lo ...`` of ``rng``: the bits of the whole draw; ``lo`` from
-    ``world_chunks``): one ``Op.SUM`` of lane words, decoded into ``out[lo:]`` (float32; ``hi - lo + 62``
-    elements past ``lo`` suffice). Returns that ``[hi - lo]`` view."""
+    ``world_chunks``): one ``Op.SUM`` of lane words, decoded into ``out[lo:]`` (float32; ``hi - lo +
+    bit_padding(layout)`` elements past ``lo`` suffice). Returns that ``[hi - lo]`` view."""
     layout = LaneLayout(span=1, world_size=world_size)
     words = draw_lane_words(m[lo:hi], b[lo:hi], rng, layout, first=lo)
     return (yield from lane_words_mean(words, hi - lo, world_size, out[lo:]))

@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 from ..codec.onebit import gradient_checks, update_moments, zero_inactive
-from ..codec.packing import INT64_WORD_BITS, LaneLayout
+from ..codec.packing import INT64_WORD_BITS, LaneLayout, lane_block_values
 from ..codec.random import stream_words
 from ..codec.validate import check_real
 from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
@@ -225,7 +225,7 @@ class Birder(torch.optim.Optimizer):
         self._layout = _Layout(params, offsets, indices, offset, device, key)
         zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=device)  # noqa: E731
         self._m, self._b, self._grad = (zeros(torch.float32) for _ in range(3))
-        self._mean = torch.zeros(offset + INT64_WORD_BITS, device=device)  # whole words (mean_from_lane_sums)
+        self._mean = torch.zeros(offset + lane_block_values(INT64_WORD_BITS), device=device)  # bit_padding
         self._bits, self._active = zeros(torch.bool), zeros(torch.bool)
         self._all_active = offset == 0
         return self._layout
