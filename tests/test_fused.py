@@ -83,20 +83,24 @@ def test_fused_equals_eager_on_every_shape(bits, world_size, word_bits):
 
 
 def test_words_keep_the_lane_format():
-    """The fused words are LaneLayout's: levels ``sign(x) floor(r s + U)`` plus ``s``, in lanes of the
-    layout's width, element ``w L + l`` in lane ``l`` of word ``w`` (checked with Python integers)."""
-    quantizer, world_size, numel = MaxNormQuantizer((2,)), 3, 101
+    """The fused words are LaneLayout's lanes in the blocked order: levels ``sign(x) floor(r s + U)`` plus
+    ``s``, in lanes of the layout's width, element ``L B k + B l + j`` in lane ``l`` of word ``B k + j`` (two whole
+    blocks and a partial one; checked with Python integers)."""
+    quantizer, world_size = MaxNormQuantizer((2,)), 3
+    layout, block = quantizer.payload_layout(world_size), packing.LANE_BLOCK_WORDS
+    per_block = layout.lanes_per_word * block
+    numel = 2 * per_block + 101
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     groups = quantizer.scale_groups(numel)
     stats = quantizer.local_stats(x, groups)
     rng = stream_words(4, "format")
     words = quantizer.encode(x, stats, groups, None, world_size, rng=rng).tolist()
-    layout = quantizer.payload_layout(world_size)
     levels = (torch.floor(x.abs() * (3 / stats[0]) + uniform(numel, rng)).clamp(max=3) * x.sign()).long().tolist()
-    expected = [0] * layout.num_words(numel)
+    expected = [0] * (3 * block)
     for index, level in enumerate(levels):
-        word, lane = divmod(index, layout.lanes_per_word)
-        expected[word] += (level + 3) << (lane * layout.lane_width)
+        k, rest = divmod(index, per_block)
+        lane, j = divmod(rest, block)
+        expected[block * k + j] += (level + 3) << (lane * layout.lane_width)
     assert words == expected
 
 

@@ -164,7 +164,7 @@ def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: 
                            out: torch.Tensor) -> None:
     """``out`` (float32 ``[words * L]``) <- ``mean_from_counts`` of every lane of ``word_sums`` (whole blocks of
     the blocked order)."""
-    out.copy_(map_lane_blocks(word_sums, shifts, mask, lambda counts: mean_from_counts(counts, group)))
+    out.copy_(map_lane_blocks(word_sums, shifts, mask, lambda counts, _: mean_from_counts(counts, group)))
 
 
 _mean_from_words = FusedKernel(_mean_from_words_eager, in_place=True)

@@ -223,16 +223,20 @@ def in_lane_blocks(numel: int, shifts: torch.Tensor, pack_whole: Callable[[int],
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def map_lane_blocks(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor,
-                    fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``[len(words) * L]`` in value order: ``fn`` of every lane of words in the blocked order
-    (``pack_lane_blocks``; whole blocks). ``fn`` is elementwise on int64 lane values: eagerly it maps all
-    lanes at once, compiled one lane at a time (a vectorized loop each), stacked; both give the same values.
-    Fused kernels run per ``DECODE_BLOCK_WORDS`` words (``in_word_blocks``) so their output stays in cache."""
+LaneMap = Callable[[torch.Tensor, "int | slice"], torch.Tensor]
+
+
+def map_lane_blocks(words: torch.Tensor, shifts: torch.Tensor, mask: int | torch.Tensor, fn: LaneMap) -> torch.Tensor:
+    """``[len(words) * L]`` in value order: ``fn(values, lanes)`` of every lane of words in the blocked order
+    (``pack_lane_blocks``; whole blocks). ``values`` are int64 lane values ``[blocks, lanes, B]`` and ``lanes``
+    says which: eagerly all at once (``slice(None)``), compiled one lane at a time (``[blocks, B]``, ``lanes``
+    its index; a vectorized loop each), stacked. ``fn`` is elementwise, so both give the same values. Birder
+    runs such kernels per ``DECODE_BLOCK_WORDS`` words (``in_word_blocks``), so their output stays in cache."""
     blocks = words.view(-1, 1, LANE_BLOCK_WORDS)
     if not torch.compiler.is_compiling():
-        return fn(blocks.bitwise_right_shift(shifts.view(1, -1, 1)).bitwise_and_(mask)).view(-1)
-    return torch.stack([fn((blocks[:, 0] >> shifts[lane]) & mask) for lane in range(shifts.numel())], dim=1).view(-1)
+        return fn(blocks.bitwise_right_shift(shifts.view(1, -1, 1)).bitwise_and_(mask), slice(None)).view(-1)
+    lanes = [fn((blocks[:, 0] >> shifts[lane]) & mask, lane) for lane in range(shifts.numel())]
+    return torch.stack(lanes, dim=1).view(-1)
 
 
 def in_word_blocks(num_words: int, lanes: int, run: Callable[[slice, slice], object]) -> None:

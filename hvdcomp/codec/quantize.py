@@ -29,7 +29,16 @@ from collections.abc import Sequence
 import torch
 
 from .fused import FusedKernel
-from .packing import INT64_WORD_BITS, LaneLayout, pack_lanes, word_lanes
+from .packing import (
+    INT64_WORD_BITS,
+    LANE_BLOCK_WORDS,
+    LaneLayout,
+    in_lane_blocks,
+    lane_block_words,
+    map_lane_blocks,
+    pack_lane_blocks,
+    pack_lanes,
+)
 from .random import uniform
 from .validate import check_int
 
@@ -41,20 +50,21 @@ _LOOP_MIN_MEAN_LENGTH = 4096
 
 
 def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor,
-                      limit: int | None = None) -> torch.Tensor:
-    """int64 ``sign(sign_of) * min(floor(magnitude + U), limit)``, ``U`` = uniform ``i`` of the stream words
-    ``rng`` (``hvdcomp.codec.random.stream_words``) for element ``i``: unbiased for ``sign(sign_of) * magnitude``
-    (``0 <= magnitude <= limit``, float32), variance at most 1/4."""
-    noise = uniform(magnitude.numel(), rng.to(magnitude.device)).view(magnitude.shape)
+                      limit: int | None = None, first: int = 0) -> torch.Tensor:
+    """int64 ``sign(sign_of) * min(floor(magnitude + U), limit)``, ``U`` = uniform ``first + i`` of the stream
+    words ``rng`` (``hvdcomp.codec.random.stream_words``; ``first`` a multiple of 4) for element ``i``: unbiased
+    for ``sign(sign_of) * magnitude`` (``0 <= magnitude <= limit``, float32), variance at most 1/4."""
+    noise = uniform(magnitude.numel(), rng.to(magnitude.device), first).view(magnitude.shape)
     levels = torch.floor(magnitude + noise)
     if limit is not None:
         levels = levels.clamp(max=limit)
     return levels.copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int64)
 
 
-def _signed_levels(x: torch.Tensor, units: torch.Tensor, coarse: int, rng: torch.Tensor) -> torch.Tensor:
-    """int64 ``sign(x) min(floor(|x| units + U), s_1)`` per element, ``U`` = uniform ``i`` of ``rng``."""
-    return stochastic_levels(x.abs().float() * units, x, rng, coarse)
+def _signed_levels(x: torch.Tensor, units: torch.Tensor, coarse: int, rng: torch.Tensor,
+                   first: int = 0) -> torch.Tensor:
+    """int64 ``sign(x) min(floor(|x| units + U), s_1)`` per element, ``U`` = uniform ``first + i`` of ``rng``."""
+    return stochastic_levels(x.abs().float() * units, x, rng, coarse, first)
 
 
 def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
@@ -263,15 +273,18 @@ class MaxNormQuantizer:
         word_bits: int = INT64_WORD_BITS,
         rng: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int64 words of this worker's signed levels (finite ``x`` only). Reduce with SUM.
+        """int64 ``[packing.lane_block_words(numel, L)]`` words of this worker's signed levels (finite ``x`` only)
+        in ``payload_layout``'s lanes, in the blocked order (``packing.pack_lane_blocks``). Reduce with SUM.
 
         ``rng``: the int64 ``[4]`` stream words of ``hvdcomp.codec.random.stream_words`` (required);
         element ``i`` rounds with the stream's uniform ``i``."""
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
+        x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
         units = self._encode_units(stats, groups, agreed, x.numel())
         shifts = self.payload_layout(world_size, word_bits).lane_shifts(x.device)
-        return _encode_words(x.reshape(-1), units, self.coarse_levels, shifts, rng.to(x.device))
+        return in_lane_blocks(x.numel(), shifts, lambda end: _encode_blocks(x[:end], units[:end], coarse, shifts, rng),
+                              lambda end: _signed_levels(x[end:], units[end:], coarse, rng, end) + coarse)
 
     def decode(
         self,
@@ -283,10 +296,10 @@ class MaxNormQuantizer:
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
     ) -> torch.Tensor:
-        """float32 ``[numel]``: the mean over the workers of their dequantized values (a view of a buffer
-        padded to whole words)."""
+        """float32 ``[numel]``: the mean over the workers of their dequantized values from the sums of their
+        ``encode`` words (a view of a buffer padded to whole blocks)."""
         layout = self.payload_layout(world_size, word_bits)
-        if word_sums.dtype != torch.int64 or word_sums.numel() != layout.num_words(numel):
+        if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
         units = self._decode_units(stats, groups, agreed, numel, world_size, word_sums.numel() * layout.lanes_per_word)
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
@@ -334,23 +347,23 @@ def _divide_by_levels_eager(units: torch.Tensor, agreed: torch.Tensor, levels: t
     units.div_(_resolution_levels(agreed, levels))
 
 
-def _encode_words_eager(x: torch.Tensor, units: torch.Tensor, coarse: int, shifts: torch.Tensor,
-                        rng: torch.Tensor) -> torch.Tensor:
-    """Words of ``_signed_levels(x, units, coarse, rng) + s_1`` per element."""
-    return pack_lanes(_signed_levels(x, units, coarse, rng) + coarse, shifts)
+def _encode_blocks_eager(x: torch.Tensor, units: torch.Tensor, coarse: int, shifts: torch.Tensor,
+                         rng: torch.Tensor) -> torch.Tensor:
+    """Words (blocked order, whole blocks) of ``_signed_levels(x, units, coarse, rng) + s_1`` per element."""
+    return pack_lane_blocks(_signed_levels(x, units, coarse, rng) + coarse, shifts)
 
 
 def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, offset: int,
                        units: torch.Tensor) -> torch.Tensor:
-    """float32 ``[words * L]``: ``(sum of levels) * units`` for every lane of every word (``units``:
-    ``M / (s W)`` per lane, 0 for the padding). Whole words, no slicing: one vectorized loop."""
-    lanes = word_lanes(word_sums, shifts, mask).sub_(offset)
-    return (lanes.float() * units.view(lanes.shape)).view(-1)
+    """float32 ``[words * L]``: ``(sum of levels) * units`` for every lane of whole blocks of words in the
+    blocked order (``units``: ``M / (s W)`` per element, 0 for the padding)."""
+    per_lane = units.view(-1, shifts.numel(), LANE_BLOCK_WORDS)
+    return map_lane_blocks(word_sums, shifts, mask, lambda sums, lanes: (sums - offset).float() * per_lane[:, lanes])
 
 
 _agreement_words = FusedKernel(_agreement_words_eager)
 _all_fit = FusedKernel(_all_fit_eager)
 _times_levels = FusedKernel(_times_levels_eager)
 _divide_by_levels = FusedKernel(_divide_by_levels_eager, in_place=True)
-_encode_words = FusedKernel(_encode_words_eager)
+_encode_blocks = FusedKernel(_encode_blocks_eager)
 _decode_mean = FusedKernel(_decode_mean_eager)

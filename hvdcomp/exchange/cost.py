@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..codec.packing import LaneLayout, plane_bytes
+from ..codec.packing import LaneLayout, lane_block_words, plane_bytes
 from .protocol import Reduction
 
 INTER_NODE_VARIANTS = ("auto", "allgather", "sum")
@@ -87,7 +87,7 @@ def plain_width(bits: int) -> int:
 
 def lanes_payload_bytes(numel: int, bits: int, group_size: int) -> int:
     """Bytes of one worker's summable lanes of ``numel`` levels over ``group_size`` workers (int64 words)."""
-    return 8 * LaneLayout.for_levels(2**bits - 1, group_size).num_words(numel)
+    return 8 * lane_block_words(numel, LaneLayout.for_levels(2**bits - 1, group_size).lanes_per_word)
 
 
 def two_stage_row_bytes(numel: int, bits: int, group_size: int) -> int:
