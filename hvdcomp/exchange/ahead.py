@@ -47,6 +47,11 @@ class AheadMaxNorm(ElementwiseCodec):
     def bind_rank(self, rank: int) -> None:
         self.lanes.bind_rank(rank)
 
+    @property
+    def reuses_result(self) -> bool:
+        """False: every result is a decode's new tensor (``lanes`` has no selector)."""
+        return False
+
     def config(self) -> tuple:
         """What every worker must share: ``lanes``'s configuration, and that the scale is agreed ahead."""
         return (*self.lanes.config(), "ahead")

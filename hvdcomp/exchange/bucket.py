@@ -116,6 +116,14 @@ class ElementwiseCodec(BucketCodec):
         collective); ``flat``'s values are read only once the exchange runs (a hierarchical exchange
         fills its shard after the node-local sum)."""
 
+    @property
+    def reuses_result(self) -> bool:
+        """Whether a result of ``exchange`` may be a buffer this codec writes again at its next exchange of the
+        same key (callers then copy it). False: never this codec's buffer, but a new tensor (a decode's output,
+        a collective's) or the caller's ``flat`` (which some transports sum in place). Codecs that know say
+        False."""
+        return True
+
 
 class TensorCodec(BucketCodec):
     """A codec over the bucket's gradients as tensors (see the module docstring)."""

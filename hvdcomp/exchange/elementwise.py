@@ -39,6 +39,11 @@ class NoCompression(ElementwiseCodec):
         total = yield Op.SUM, flat
         return total.div_(world_size)
 
+    @property
+    def reuses_result(self) -> bool:
+        """False: the result is the SUM's (``flat`` itself over a transport that sums in place)."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -37,6 +37,7 @@ class Bucket:
     buffer: torch.Tensor  # float32 [numel]: the bucket's gradients, concatenated
     ready: int = 0  # gradients complete this step
     launched: bool = False  # exchange started this step (it may have finished already)
+    result_kept: bool = False  # this step's codec returns a result it never writes again (reuses_result False)
     exchange: Exchange | None = None
     handle: Any = None
     rounds: dict[Scope, int] = field(default_factory=dict)  # collectives started per scope this step

@@ -190,6 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         key, step = f"bucket{bucket.index}", self._exchange_step
         grads = [self._dense_grad(p) for p in bucket.params]
         codec = self._codec if step >= self._warmup_steps else WARMUP_CODEC
+        bucket.result_kept = isinstance(codec, ElementwiseCodec) and not codec.reuses_result
         if isinstance(codec, ElementwiseCodec):
             pieces = bucket.buffer.split(bucket.sizes)  # the flat bucket, one view per gradient
             for grad, piece in zip(grads, pieces):
@@ -253,12 +254,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     break
 
     def _write_back(self, bucket: Bucket, result: Any) -> None:
+        """Each gradient <- its mean: a view of ``result`` itself (no copy) where the codec never writes it again,
+        it is not the bucket's own buffer, and the parameter is a contiguous float32 one; else a copy."""
         means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
+        keep = bucket.result_kept and result.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr()
         for p, mean in zip(bucket.params, means):
             if p in self._sparse:
                 continue
             if p.grad is not None and p.grad.is_sparse:  # back to sparse, as Horovod returns it
                 p.grad = mean.view(p.shape).to(p.dtype).to_sparse()
+            elif keep and p.dtype == mean.dtype and p.is_contiguous():
+                p.grad = mean.view(p.shape)
             else:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
