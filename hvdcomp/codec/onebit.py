@@ -21,7 +21,7 @@ import torch
 
 from .fused import FusedKernel
 from .packing import (
-        LaneLayout,
+    LaneLayout,
     as_uint8,
     in_lane_blocks,
     in_word_blocks,

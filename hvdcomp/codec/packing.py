@@ -15,8 +15,9 @@ the exact sums of ``v`` over the workers.
 overflows) and fewer for words carried as float64 values (see ``carrier.word_bits``).
 
 Values fill words in one of two orders: consecutive values share a word (``pack_lanes``, ``LaneLayout``),
-or, for Birder's bits, the **blocked order** of ``pack_lane_blocks``, in which consecutive values sit in
-the same lane of consecutive words (faster fused kernels). Packer and decoder must use the same order.
+or, for Birder's bits and QSGD's levels, the **blocked order** of ``pack_lane_blocks``, in which consecutive
+values sit in the same lane of consecutive words (faster fused kernels). Packer and decoder must use the same
+order.
 
 **Bit planes.** ``bits_to_bytes`` packs 0/1 values 8 per uint8 byte (least significant bit first) for
 collectives that concatenate rather than sum (all-gathers); ``bytes_to_bits`` undoes it.
