@@ -42,6 +42,8 @@ def _collectives(elements: int) -> list[tuple[str, float, Callable[[], Any]]]:
     return [
         ("Horovod all-reduce, float32", 4 * elements * ring, lambda: hvd.allreduce(floats, op=hvd.Sum, name="f32")),
         ("Horovod all-reduce, float16", 2 * elements * ring, lambda: hvd.allreduce(halves, op=hvd.Sum, name="f16")),
+        ("HorovodTransport Op.SUM, float16 (all-to-all pieces)", 2 * elements * ring,
+         lambda: transport.collective(Op.SUM, halves)),
         ("Horovod all-to-all, float16, one call", 2 * elements * spread, lambda: hvd.alltoall(halves, name="a2a")),
         ("HorovodTransport Op.ALLTOALL (pieces)", 2 * elements * spread,
          lambda: transport.collective(Op.ALLTOALL, halves)),

@@ -1,10 +1,12 @@
 """``Op.ALLTOALL`` / ``Op.ALLGATHER`` over both transports (Horovod's all-to-alls and equal all-gathers whole
-and in pieces), and ``FP16`` through them, in real workers."""
+and in pieces), Horovod's float16 ``Op.SUM`` (all-to-all pieces summed at float32), and ``FP16`` through them,
+in real workers."""
 
 import pytest
 import torch
 
 from hvdcomp.exchange.elementwise import FP16
+from hvdcomp.exchange.protocol import Op
 from hvdcomp.exchange.simulator import simulate
 from tests.harness import run_function
 
@@ -13,9 +15,34 @@ def _grads(rank):
     return torch.randn(1001, generator=torch.Generator().manual_seed(rank)) * 50
 
 
+def _halves(numel, rank):
+    """A float16 tensor of ``numel`` elements, different on every rank; at 13 elements one whose sum overflows
+    float16 and, on rank 1, a NaN."""
+    values = ((torch.arange(numel) % 7 - 3) * 17.3 * (rank + 1) + 0.01 * rank).to(torch.float16)
+    if numel == 13:
+        values[4] = 60000.0
+        values[7] = float("nan") if rank == 1 else 1.0
+    return values
+
+
+HALF_SUM_SIZES = (0, 1, 5, 6, 13)
+
+
+def _half_sums(transport):
+    """Named float16 SUMs of every ``HALF_SUM_SIZES`` in flight together, advanced by ``poll`` until done (the
+    windows of 3 * W elements, their last one ragged), and an unnamed one of shape [3, 4]."""
+    rank = transport.rank
+    handles = {numel: transport.start(Op.SUM, _halves(numel, rank), name=f"half{numel}") for numel in HALF_SUM_SIZES}
+    while not all(transport.poll(handle) for handle in handles.values()):
+        pass
+    sums = {numel: transport.wait(handle) for numel, handle in handles.items()}
+    sums["unnamed"] = transport.collective(Op.SUM, _halves(12, rank).view(3, 4))
+    return sums
+
+
 def _alltoall_worker(transport_name):
     import hvdcomp
-    from hvdcomp.exchange.protocol import Op, drive
+    from hvdcomp.exchange.protocol import drive
     from hvdcomp.transport import horovod
 
     transport = hvdcomp.MPITransport() if transport_name == "mpi" else hvdcomp.HorovodTransport()
@@ -34,6 +61,7 @@ def _alltoall_worker(transport_name):
     out["gather_pieces"] = [(lo, hi) for lo, hi, _ in handle.handles] if isinstance(handle, horovod._Pieces) else None
     out["gathered"] = transport.wait(handle)
     out["ragged"] = transport.collective(Op.ALLGATHER, sent[:4 + rank])  # plain: any sizes, never in pieces
+    out["half_sums"] = _half_sums(transport) if transport_name == "horovod" else None
     codec = FP16(error_feedback=True)
     out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport).clone()
                    for step in range(2)]  # the mean is the codec's buffer for "b", rewritten next step
@@ -58,6 +86,13 @@ def test_alltoall_and_fp16_over_real_transports(launcher):
         assert torch.equal(out["ragged"], torch.cat([sent[:4 + source] for source, sent in enumerate(every)]))
         gathered = torch.cat([(torch.arange(3) + 100 * source) for source in range(size)]).to(torch.float16)
         assert torch.equal(out["allgather"], gathered)
+        if launcher == "gloo":  # the sum at float32 in rank order, rounded once; Inf and NaN as they come
+            for numel, got in out["half_sums"].items():
+                parts = [_halves(12, r).view(3, 4) if numel == "unnamed" else _halves(numel, r) for r in range(size)]
+                want = sum(part.float() for part in parts).half()
+                assert got.dtype == torch.float16 and torch.equal(got.isnan(), want.isnan()), numel
+                assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), numel
+            assert out["half_sums"][13][4] == float("inf") and out["half_sums"][13][7].isnan()
     codecs = [FP16(error_feedback=True) for _ in range(size)]
     for step in range(2):
         want = simulate([codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size)

@@ -48,7 +48,8 @@ def _round_sum_eager(residual: torch.Tensor, flat: torch.Tensor, out: torch.Tens
 
 
 def _sum_rows_eager(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` <- ``rows[0] + rows[1] + ... + rows[W - 1]`` at float32, left to right, rounded once."""
+    """``out`` (``[c]``, or ``[R, c]``: each row) <- ``rows[0] + rows[1] + ... + rows[W - 1]`` at float32, left to
+    right, rounded once."""
     partial = rows[0].float()
     for index in range(1, rows.shape[0]):  # rank order
         partial.add_(rows[index])
@@ -89,12 +90,17 @@ def round_to_half(flat: torch.Tensor, residual: torch.Tensor | None, out: torch.
 
 
 def sum_rows_to_half(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (float16 ``[c]``) <- the sum of the W rows of ``rows`` (float16 ``[W, c]``: one chunk per worker,
-    by rank), added at float32 in rank order and rounded to float16 once, in one pass."""
+    """``out`` (float16 ``[c]``, or ``[R, c]``: every row gets it) <- the sum of the W rows of ``rows`` (float16
+    ``[W, c]``: one chunk per worker, by rank), added at float32 in rank order and rounded to float16 once, in
+    one pass."""
     if rows.dtype != torch.float16 or rows.dim() != 2 or not rows.shape[0]:
         raise ValueError(f"rows must be float16 [W >= 1, c], got {rows.dtype} {tuple(rows.shape)}")
-    _check("out", out, torch.float16, (rows.shape[1],))
-    _sum_rows(static(rows, 0), out)  # the loop over the rows unrolls: one graph per W
+    if out.dim() == 2:
+        _check("out", out, torch.float16, (out.shape[0], rows.shape[1]))
+        _sum_rows(static(rows, 0), static(out, 0))  # one graph per (W, R)
+    else:
+        _check("out", out, torch.float16, (rows.shape[1],))
+        _sum_rows(static(rows, 0), out)  # the loop over the rows unrolls: one graph per W
 
 
 def mean_from_half_sums(sums: torch.Tensor, world_size: int, out: torch.Tensor, check_finite: bool = False) -> bool:

@@ -13,6 +13,15 @@ at 1 Gbit/s, 23.5 MB per peer took 0.38 to 0.41 s in one all-to-all and 0.22 s i
 ``benchmarks/cluster_collectives.py``; 0.26, 0.34 and 0.36 s in pieces of 1, 2 and 4 MiB). At 10 Gbit/s the
 pieces cost more than they save: 0.09 to 0.13 s against 0.06 to 0.08 s. Horovod all-gathers cut into pieces
 gain nothing: Horovod fuses them back into one.
+
+A float16 ``SUM`` (``sums_float16``) never reaches Horovod's float16 all-reduce, whose Gloo path sums one
+element at a time in software. It runs as a reduce-scatter and an all-gather, both of all-to-all pieces: the
+flat tensor is cut into windows of ``W * ALLTOALL_PIECE_BYTES / 2`` elements, each window's all-to-all sends
+its ``W`` near-equal parts (no copy: a window is a contiguous slice); each worker sums its part of every
+worker's window at float32 in rank order, rounded once (``codec.half.sum_rows_to_half``), into one row per
+destination as soon as that window arrives, and all-to-alls those rows back. The returned pieces are the
+window's sums in order, concatenated once into the result. Every worker gets the same bits, those of the
+chunked exchange of ``FP16`` over other transports.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from ..codec.half import sum_rows_to_half
 from ..exchange.protocol import Op, Reduction, Scope
 
 _DYNAMIC_SETS_NEEDED = (
@@ -97,13 +107,79 @@ def _in_pieces(tensor: torch.Tensor, gather: bool, name: str | None, group: hvd.
     return pieces
 
 
+def _piece_name(name: str | None, kind: str, index: int) -> str | None:
+    return None if name is None else f"{name}.{kind}{index}"
+
+
+def _near_equal_splits(length: int, workers: int) -> list[int]:
+    """``length`` elements as ``workers`` parts, the first ``length % workers`` one longer."""
+    return [length // workers + (j < length % workers) for j in range(workers)]
+
+
+@dataclass
+class _HalfSum:
+    """A float16 SUM in flight (the module docstring): the input's windows, the ``result`` (the input's shape,
+    filled window by window), and per window the handle of its reduce-scatter, then (once summed) of its
+    all-gather, then (once copied into ``result``) None."""
+
+    windows: tuple[torch.Tensor, ...]
+    result: torch.Tensor
+    name: str | None
+    group: hvd.ProcessSet
+    scatters: list[Any]
+    gathers: list[Any]
+
+    @classmethod
+    def start(cls, tensor: torch.Tensor, name: str | None, group: hvd.ProcessSet) -> _HalfSum:
+        workers = group.size()
+        windows = tensor.contiguous().view(-1).split(workers * max(1, ALLTOALL_PIECE_BYTES // tensor.element_size()))
+        scatters = [hvd.alltoall_async(window, splits=_near_equal_splits(window.numel(), workers),
+                                       name=_piece_name(name, "scatter", index), process_set=group)
+                    for index, window in enumerate(windows)]
+        return cls(windows, torch.empty_like(tensor, memory_format=torch.contiguous_format), name, group, scatters,
+                   [None] * len(scatters))
+
+    def advance(self, block: bool) -> None:
+        """Sum each window whose reduce-scatter has arrived and start its all-gather; copy each all-gathered
+        window into ``result`` (``block``: every window, waiting in order). Without a name only ``block``
+        advances: unnamed collectives pair by call order."""
+        if not block and self.name is None:
+            return
+        workers = self.group.size()
+        for index, scattered in enumerate(self.scatters):
+            if scattered is None or not (block or hvd.poll(scattered)):
+                continue
+            received, _ = hvd.synchronize(scattered)  # [W * mine]: my part of every worker's window, by rank
+            mine = received.numel() // workers
+            rows = received.new_empty(workers, mine)  # my part's sum, once per destination
+            if mine:
+                sum_rows_to_half(received.view(workers, mine), out=rows)
+            self.scatters[index] = None
+            self.gathers[index] = hvd.alltoall_async(rows.view(-1), splits=[mine] * workers,
+                                                     name=_piece_name(self.name, "gather", index),
+                                                     process_set=self.group)
+        sums = self.result.view(-1).split(self.windows[0].numel()) if self.windows else ()
+        for index, gathered in enumerate(self.gathers):
+            if gathered is not None and (block or hvd.poll(gathered)):
+                sums[index].copy_(hvd.synchronize(gathered)[0])  # the window's sums, in order
+                self.gathers[index] = None
+
+    def poll(self) -> bool:
+        self.advance(block=False)
+        return all(handle is None for handle in self.scatters + self.gathers)
+
+    def wait(self) -> torch.Tensor:
+        self.advance(block=True)
+        return self.result
+
+
 class HorovodTransport:
     """Collectives over Horovod. Flat ops use ``process_set`` (default: all workers); node-local and
     cross-node ops use process sets built from ``local_rank`` / ``cross_rank`` (created on first use,
     global process set only)."""
 
     blocking = False  # asynchronous, matched across workers by name
-    sums_float16 = False  # its Gloo path sums float16 one element at a time in software
+    sums_float16 = True  # as all-to-all pieces summed here (the module docstring), not by Horovod's float16 sum
 
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -160,6 +236,8 @@ class HorovodTransport:
             if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any dtype)
                 pieces = _in_pieces(tensor, False, name, group)
                 return pieces if pieces is not None else hvd.alltoall_async(tensor, name=name, process_set=group)
+            if op.reduction is Reduction.SUM and tensor.dtype == torch.float16:
+                return _HalfSum.start(tensor, name, group)
             reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
             return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
         except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
@@ -170,11 +248,15 @@ class HorovodTransport:
                 "after an error on another rank, or the set was removed)") from error
 
     def poll(self, handle: Any) -> bool:
+        if isinstance(handle, _HalfSum):
+            return handle.poll()
         if isinstance(handle, _Pieces):
             return all(hvd.poll(piece) for _, _, piece in handle.handles)
         return hvd.poll(handle)
 
     def wait(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _HalfSum):
+            return handle.wait()
         if isinstance(handle, _Pieces):
             for lo, hi, piece in handle.handles:  # each piece's rows, by sender, into its columns
                 handle.out[:, lo:hi] = self.wait(piece).view(handle.out.shape[0], hi - lo)
