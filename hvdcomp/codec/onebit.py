@@ -97,15 +97,21 @@ def _draw_bits_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: t
 
 
 def _draw_lane_blocks_eager(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, shifts: torch.Tensor,
-                            first: int) -> torch.Tensor:
-    """int64 words of ``_draw_eager(m, b, rng, first)`` (whole blocks) in the blocked order of ``shifts``' lanes."""
-    return pack_lane_blocks(_draw_eager(m, b, rng, first), shifts)
+                            first: int, out: torch.Tensor) -> None:
+    """``out`` <- the int64 words of ``_draw_eager(m, b, rng, first)`` (whole blocks) in the blocked order of
+    ``shifts``' lanes."""
+    out.copy_(pack_lane_blocks(_draw_eager(m, b, rng, first), shifts))
+
+
+def _pack_bit_blocks_eager(bits: torch.Tensor, shifts: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` <- ``pack_lane_blocks(bits, shifts)`` (whole blocks)."""
+    out.copy_(pack_lane_blocks(bits, shifts))
 
 
 _binarize = FusedKernel(_binarize_eager)
 _draw_bits = FusedKernel(_draw_bits_eager, in_place=True)
-_draw_lane_blocks = FusedKernel(_draw_lane_blocks_eager)
-_pack_bit_blocks = FusedKernel(pack_lane_blocks)
+_draw_lane_blocks = FusedKernel(_draw_lane_blocks_eager, in_place=True)
+_pack_bit_blocks = FusedKernel(_pack_bit_blocks_eager, in_place=True)
 
 
 def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -135,7 +141,7 @@ def bit_lane_words(bits: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     _check_bit_layout(layout, "bit_lane_words")
     bits = as_uint8(bits.reshape(-1))
     shifts = layout.lane_shifts(bits.device)
-    return in_lane_blocks(bits.numel(), shifts, lambda end: _pack_bit_blocks(bits[:end], shifts),
+    return in_lane_blocks(bits.numel(), shifts, lambda end, out: _pack_bit_blocks(bits[:end], shifts, out),
                           lambda end: bits[end:])
 
 
@@ -146,7 +152,8 @@ def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout:
     probability buffer), the last, partial one apart."""
     _check_bit_layout(layout, "draw_lane_words")
     shifts = layout.lane_shifts(m.device)
-    return in_lane_blocks(m.numel(), shifts, lambda end: _draw_lane_blocks(m[:end], b[:end], rng, shifts, first),
+    return in_lane_blocks(m.numel(), shifts,
+                          lambda end, out: _draw_lane_blocks(m[:end], b[:end], rng, shifts, first, out),
                           lambda end: _draw_eager(m[end:], b[end:], rng, first + end))
 
 

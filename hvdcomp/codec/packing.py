@@ -208,21 +208,23 @@ def pack_lane_blocks(lanes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return total.view(-1)
 
 
-def in_lane_blocks(numel: int, shifts: torch.Tensor, pack_whole: Callable[[int], torch.Tensor],
+def in_lane_blocks(numel: int, shifts: torch.Tensor, pack_whole: Callable[[int, torch.Tensor], object],
                    tail_lanes: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """int64 ``[lane_block_words(numel, L)]``: ``numel`` lane values in the blocked order (``pack_lane_blocks``).
-    ``pack_whole(end)`` packs the values ``[0, end)`` of the whole blocks (a fused kernel); ``tail_lanes(end)``
-    gives the values ``[end, numel)``, packed here after zeros pad them to one block."""
-    per_block = lane_block_values(shifts.numel())
+    ``pack_whole(end, out)`` writes the words of the values ``[0, end)``, the whole blocks, into ``out`` (a fused
+    kernel; ``out`` is the start of the result, no copy); ``tail_lanes(end)`` gives the values ``[end, numel)``,
+    packed here after zeros pad them to one block."""
+    lanes = shifts.numel()
+    per_block = lane_block_values(lanes)
     whole = numel // per_block * per_block
-    parts = [pack_whole(whole)] if whole else []
+    words = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64, device=shifts.device)
+    if whole:
+        pack_whole(whole, words[: whole // lanes])
     if whole < numel:
         tail = torch.zeros(per_block, dtype=torch.int64, device=shifts.device)
         tail[: numel - whole] = tail_lanes(whole)
-        parts.append(pack_lane_blocks(tail, shifts))
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64, device=shifts.device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+        words[whole // lanes:] = pack_lane_blocks(tail, shifts)
+    return words
 
 
 LaneMap = Callable[[torch.Tensor, "int | slice"], torch.Tensor]

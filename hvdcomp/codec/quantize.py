@@ -283,7 +283,8 @@ class MaxNormQuantizer:
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
         units = self._encode_units(stats, groups, agreed, x.numel())
         shifts = self.payload_layout(world_size, word_bits).lane_shifts(x.device)
-        return in_lane_blocks(x.numel(), shifts, lambda end: _encode_blocks(x[:end], units[:end], coarse, shifts, rng),
+        return in_lane_blocks(x.numel(), shifts,
+                              lambda end, out: _encode_blocks(x[:end], units[:end], coarse, shifts, rng, out),
                               lambda end: _signed_levels(x[end:], units[end:], coarse, rng, end) + coarse)
 
     def decode(
@@ -348,9 +349,10 @@ def _divide_by_levels_eager(units: torch.Tensor, agreed: torch.Tensor, levels: t
 
 
 def _encode_blocks_eager(x: torch.Tensor, units: torch.Tensor, coarse: int, shifts: torch.Tensor,
-                         rng: torch.Tensor) -> torch.Tensor:
-    """Words (blocked order, whole blocks) of ``_signed_levels(x, units, coarse, rng) + s_1`` per element."""
-    return pack_lane_blocks(_signed_levels(x, units, coarse, rng) + coarse, shifts)
+                         rng: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` <- the words (blocked order, whole blocks) of ``_signed_levels(x, units, coarse, rng) + s_1`` per
+    element."""
+    out.copy_(pack_lane_blocks(_signed_levels(x, units, coarse, rng) + coarse, shifts))
 
 
 def _decode_mean_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, offset: int,
@@ -365,5 +367,5 @@ _agreement_words = FusedKernel(_agreement_words_eager)
 _all_fit = FusedKernel(_all_fit_eager)
 _times_levels = FusedKernel(_times_levels_eager)
 _divide_by_levels = FusedKernel(_divide_by_levels_eager, in_place=True)
-_encode_blocks = FusedKernel(_encode_blocks_eager)
+_encode_blocks = FusedKernel(_encode_blocks_eager, in_place=True)
 _decode_mean = FusedKernel(_decode_mean_eager)
