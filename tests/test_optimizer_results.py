@@ -84,3 +84,21 @@ def test_gradients_are_means_and_kept_ones_never_change(make, storages, in_place
     buffer = optimizer._buckets[0].buffer.untyped_storage().data_ptr()
     assert len(optimizer._buckets) == 1 and buffer not in held
     assert len(held) == storages[in_place]
+
+
+@pytest.mark.parametrize("make,bucket_size_mb,bucket_mb", [
+    (lambda: hvdcomp.QSGDMaxNorm(8), None, 8.0),  # the scale agreed ahead: its codec's 8 MiB
+    (lambda: hvdcomp.QSGDMaxNorm(8, scale="exact"), None, 25.0),
+    (hvdcomp.NoCompression, None, 25.0),
+    (lambda: hvdcomp.QSGDMaxNorm(8), 25.0, 25.0),  # the caller's size wins
+])
+def test_default_bucket_size_is_the_codecs(make, bucket_size_mb, bucket_mb):
+    """Without ``bucket_size_mb`` the buckets are the codec's ``bucket_mb`` (else 25 MiB): 3M float32 gradients
+    (11.4 MiB) make two buckets of 8 MiB, one of 25 MiB."""
+    params = [torch.nn.Parameter(torch.zeros(1_000_000)) for _ in range(3)]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
+                                             compression=make(), transport=_TwoEqualWorkers(),
+                                             bucket_size_mb=bucket_size_mb)
+    assert [len(bucket.params) for bucket in optimizer._buckets] == ([2, 1] if bucket_mb == 8.0 else [3])
+    optimizer.close()

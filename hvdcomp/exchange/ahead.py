@@ -35,7 +35,13 @@ from .protocol import Exchange, Op, relay
 
 class AheadMaxNorm(ElementwiseCodec):
     """``lanes`` (one resolution, every coordinate) with the scale agreed one exchange ahead (see the module
-    docstring). Its rounding streams, rank and configuration are ``lanes``'s."""
+    docstring). Its rounding streams, rank and configuration are ``lanes``'s.
+
+    Buckets of 8 MiB (``bucket_mb``) keep encode and decode in step with the wire: less of both runs before the
+    first payload leaves and after the last one arrives (2 nodes at 1 Gbit/s, ResNet-50: QSGD 8 0.309 to 0.318 s
+    against 0.332 to 0.338 s with 25 MiB and 0.322 to 0.348 s with 4 MiB)."""
+
+    bucket_mb = 8.0
 
     def __init__(self, lanes: MaxNormCodec) -> None:
         if lanes.quantizer.multiscale or lanes.selector is not None:

@@ -79,7 +79,10 @@ class Segments(Sequence[int]):
 
 
 class BucketCodec(ABC):
-    """The parts every codec has: rank binding and checkpointable state."""
+    """The parts every codec has: rank binding, checkpointable state, and ``bucket_mb``: the bucket size (MiB of
+    float32 gradients) the codec runs best with where the caller gives none, or None for the caller's own."""
+
+    bucket_mb: float | None = None
 
     def bind_rank(self, rank: int) -> None:  # noqa: B027 (most codecs draw no per-worker randomness)
         """Called by the entry point with this worker's rank before its first exchange; codecs with

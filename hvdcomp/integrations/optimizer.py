@@ -76,7 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         groups: Any,
         sparse_as_dense: bool,
         process_set: hvd.ProcessSet,
-        bucket_size_mb: float,
+        bucket_size_mb: float | None,
         hierarchical: bool | None,
         transport: Transport | None,
         exchange: str,
@@ -90,7 +90,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if gradient_predivide_factor != 1.0:
             raise ValueError("gradient_predivide_factor is not supported: hvdcomp codecs average after decoding, "
                              "so there is no low-precision sum to protect from overflow")
-        check_real("bucket_size_mb", bucket_size_mb, low_open=True)
+        if bucket_size_mb is not None:
+            check_real("bucket_size_mb", bucket_size_mb, low_open=True)
         if num_groups:
             warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                           DeprecationWarning, stacklevel=3)
@@ -126,6 +127,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         remember_fresh_codec(self)
         if self._hierarchical:
             check_hierarchical(self._transport)
+        if bucket_size_mb is None:
+            bucket_size_mb = self._codec.bucket_mb or DEFAULT_BUCKET_MB
         self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._counts = {p: 0 for p in trainable}
@@ -346,7 +349,7 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
     groups: int | list[list[torch.Tensor]] | None = None,
     sparse_as_dense: bool = False,
     process_set: hvd.ProcessSet = hvd.global_process_set,
-    bucket_size_mb: float = DEFAULT_BUCKET_MB,
+    bucket_size_mb: float | None = None,
     hierarchical: bool | None = None,
     transport: Transport | None = None,
     exchange: str = "lanes",
@@ -365,7 +368,8 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
         sparse_as_dense: ``True``: sparse gradients are densified and compressed like any gradient (they
             come back sparse); ``False``: they are reduced as Horovod reduces them (its sparse
             all-reduce, uncompressed; over ``MPITransport``, dense with a warning).
-        bucket_size_mb: gradients per bucket; each bucket is exchanged as soon as it is complete.
+        bucket_size_mb: MiB of float32 gradients per bucket; each bucket is exchanged as soon as it is complete.
+            Default: the codec's ``bucket_mb`` (8 for ``QSGDMaxNorm``'s scale agreed ahead), else 25.
         hierarchical: full precision inside nodes, the compressed payload only between nodes; ``None``:
             as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says (``horovodrun --hierarchical-allreduce``), else off.
         transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
