@@ -19,9 +19,10 @@ element at a time in software. It runs as a reduce-scatter and an all-gather, bo
 flat tensor is cut into windows of ``W * ALLTOALL_PIECE_BYTES / 2`` elements, each window's all-to-all sends
 its ``W`` near-equal parts (no copy: a window is a contiguous slice); each worker sums its part of every
 worker's window at float32 in rank order, rounded once (``codec.half.sum_rows_to_half``), into one row per
-destination as soon as that window arrives, and all-to-alls those rows back. The returned pieces are the
-window's sums in order, concatenated once into the result. Every worker gets the same bits, those of the
-chunked exchange of ``FP16`` over other transports.
+destination as soon as that window arrives, and all-to-alls those rows back: each returns the window's sums,
+copied into the result as it arrives. Every worker gets the same bits, those of the chunked exchange of
+``FP16`` over other transports (at 1 Gbit/s, 0.444 s for ResNet-50's 23.5M values against 0.489 s for that
+exchange's all-to-all and all-gather in pieces; ``benchmarks/cluster_collectives.py``).
 """
 
 from __future__ import annotations
