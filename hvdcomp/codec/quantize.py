@@ -374,5 +374,5 @@ _all_fit = FusedKernel(_all_fit_eager)
 _times_levels = FusedKernel(_times_levels_eager)
 _divide_by_levels = FusedKernel(_divide_by_levels_eager, in_place=True)
 _encode_blocks = FusedKernel(_encode_blocks_eager, in_place=True)
-_tail_levels = FusedKernel(_tail_levels_eager)  # its Philox rounds cost about 0.7 ms per bucket eagerly
+_tail_levels = FusedKernel(_tail_levels_eager)  # its Philox rounds cost about 0.4 ms per bucket eagerly
 _decode_mean = FusedKernel(_decode_mean_eager)

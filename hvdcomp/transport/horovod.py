@@ -119,11 +119,11 @@ def _near_equal_splits(length: int, workers: int) -> list[int]:
 
 @dataclass
 class _HalfSum:
-    """A float16 SUM in flight (the module docstring): the input's windows, the ``result`` (the input's shape,
-    filled window by window), and per window the handle of its reduce-scatter, then (once summed) of its
-    all-gather, then (once copied into ``result``) None."""
+    """A float16 SUM in flight (the module docstring): the ``span`` of a window (elements), the ``result`` (the
+    input's shape, filled window by window), and per window the handle of its reduce-scatter, then (once summed)
+    of its all-gather, then (once copied into ``result``) None."""
 
-    windows: tuple[torch.Tensor, ...]
+    span: int
     result: torch.Tensor
     name: str | None
     group: hvd.ProcessSet
@@ -133,11 +133,11 @@ class _HalfSum:
     @classmethod
     def start(cls, tensor: torch.Tensor, name: str | None, group: hvd.ProcessSet) -> _HalfSum:
         workers = group.size()
-        windows = tensor.contiguous().view(-1).split(workers * max(1, ALLTOALL_PIECE_BYTES // tensor.element_size()))
+        span = workers * max(1, ALLTOALL_PIECE_BYTES // tensor.element_size())
         scatters = [hvd.alltoall_async(window, splits=_near_equal_splits(window.numel(), workers),
                                        name=_piece_name(name, "scatter", index), process_set=group)
-                    for index, window in enumerate(windows)]
-        return cls(windows, torch.empty_like(tensor, memory_format=torch.contiguous_format), name, group, scatters,
+                    for index, window in enumerate(tensor.contiguous().view(-1).split(span))]
+        return cls(span, torch.empty_like(tensor, memory_format=torch.contiguous_format), name, group, scatters,
                    [None] * len(scatters))
 
     def advance(self, block: bool) -> None:
@@ -159,7 +159,7 @@ class _HalfSum:
             self.gathers[index] = hvd.alltoall_async(rows.view(-1), splits=[mine] * workers,
                                                      name=_piece_name(self.name, "gather", index),
                                                      process_set=self.group)
-        sums = self.result.view(-1).split(self.windows[0].numel()) if self.windows else ()
+        sums = self.result.view(-1).split(self.span)
         for index, gathered in enumerate(self.gathers):
             if gathered is not None and (block or hvd.poll(gathered)):
                 sums[index].copy_(hvd.synchronize(gathered)[0])  # the window's sums, in order
