@@ -16,7 +16,9 @@ says otherwise: ``hvdcomp.DistributedOptimizer``'s rule), and DDP's buckets only
    ``bucket.gradients()``) and remembers where the means must go;
 2. codec buckets start their exchange in plan order once all their gradients are in (never before a
    bucket planned earlier), so codec state and random draws follow the plan, not DDP's layout;
-3. each hook first advances the exchanges in flight by one round (hierarchical ones to their end);
+3. each hook then advances the exchanges that earlier hooks started by one round (hierarchical ones to their
+   end), so that its own buckets' collectives are queued behind theirs while it waits: the link stays busy
+   while it copies, encodes and decodes;
 4. the last bucket's hook (``bucket.is_last()``: DDP runs hooks in bucket order) finishes every
    exchange, writes the means into DDP's bucket buffers and completes the step's futures.
 
@@ -145,12 +147,13 @@ class CompressionState:
         self._futures.append((buffer, future))
         self._arrivals.extend(zip(bucket.parameters(), bucket.gradients()))
         try:
-            self._advance_running(finish=False)
+            in_flight = list(self._running)  # started by earlier hooks: advanced once this bucket's are on their way
             if self._plan is None and bucket.is_last():
                 self._make_plan()
             if self._plan is not None:
                 self._deliver()
                 self._launch_ready()
+            self._advance_running(in_flight, finish=False)
             if bucket.is_last():
                 self._finish_step()
         except BaseException as error:
@@ -221,10 +224,10 @@ class CompressionState:
         last.communicate_s += time.perf_counter() - queued
         return False
 
-    def _advance_running(self, finish: bool) -> None:
-        """Advance each exchange in flight, in launch order: by one round, or to its end when ``finish`` or
+    def _advance_running(self, in_flight: list[_Running], finish: bool) -> None:
+        """Advance each exchange of ``in_flight``, in launch order: by one round, or to its end when ``finish`` or
         hierarchical (see the module docstring)."""
-        for running in list(self._running):
+        for running in in_flight:
             done = False
             while not done:
                 waited = time.perf_counter()
@@ -244,7 +247,7 @@ class CompressionState:
 
     def _finish_step(self) -> None:
         while self._running:
-            self._advance_running(finish=True)
+            self._advance_running(list(self._running), finish=True)
         if self._next_launch != len(self._plan):
             raise RuntimeError("DDP reduced fewer parameters than at its first step; hvdcomp's codec buckets are "
                                "planned at the first step: register the hook on the final model")
