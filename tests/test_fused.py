@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hvdcomp.codec import fused, packing
+from hvdcomp.codec import fused, packing, random
 from hvdcomp.codec.onebit import (
     binarize,
     bit_lane_words,
@@ -80,6 +80,18 @@ def test_fused_equals_eager_on_every_shape(bits, world_size, word_bits):
             scale = quantizer._per_element(want["stats"][:-1], quantizer.scale_groups(numel, segments), numel)
             error = (got["mean"] - torch.stack(grads).mean(dim=0)).abs()
             assert bool((error <= scale / quantizer.coarse_levels * 1.0001).all())
+
+
+@pytest.mark.parametrize("int32_lanes", [False, True])
+def test_draws_in_either_lane_width_equal_eager(int32_lanes, monkeypatch):
+    """Compiled draws in int32 lanes (CPUs without AVX-512) or int64 lanes give the eager bits, also across the
+    counter's 2**32-block boundary."""
+    fused._choose_cpu_lanes()  # before the patch: a later first compile must not override it
+    monkeypatch.setattr(random, "CPU_INT32_LANES", int32_lanes)
+    draw = torch.compile(uniform, dynamic=True)
+    words = stream_words(2**33 + 5, "seed", 3)
+    for numel, first in ((4099, 0), (37, 4 * (2**32 - 3)), (65536 + 5, 2**40)):
+        assert torch.equal(draw(numel, words, first), uniform(numel, words, first)), (numel, first)
 
 
 def test_words_keep_the_lane_format():

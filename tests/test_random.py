@@ -22,19 +22,29 @@ KNOWN_ANSWERS = [
 ]
 
 
+@pytest.mark.parametrize("int32_lanes", [False, True])
 @pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS)
-def test_philox_known_answers(counter, key, expected):
-    out = philox4x32(_words(counter), _words(key))
+def test_philox_known_answers(counter, key, expected, int32_lanes):
+    out = philox4x32(_words(counter), _words(key), int32_lanes)
     assert tuple(int(word) for word in out) == expected
+
+
+def test_both_lane_widths_give_the_same_words():
+    counter = tuple(torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(i))
+                    for i in range(4))
+    key = _words((0xDEADBEEF, 0x01234567))
+    assert all(torch.equal(a, b) for a, b in zip(philox4x32(counter, key), philox4x32(counter, key, True)))
 
 
 def test_uniforms_are_24_bit_floats_in_unit_interval_and_addressable_by_block():
     words = stream_words(3, "seed", "test", 0)
     u = uniform(1001, words)
     assert u.dtype == torch.float32 and u.shape == (1001,)
-    assert 0 <= float(u.min()) and float(u.max()) < 1
-    assert torch.equal(u * 2**24, (u * 2**24).floor())  # exact multiples of 2**-24
-    assert torch.equal(uniform(993, words, first=8), u[8:])  # element i is the same draw in any call
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    halves = u * 2**16 - 0.5
+    assert torch.equal(halves, halves.floor())  # 16 bits h each: (h + 1/2) 2**-16
+    for first in (8, 4, 5, 1000):  # element i is the same draw in any call, from any first element
+        assert torch.equal(uniform(1001 - first, words, first=first), u[first:]), first
     assert torch.equal(uniform(1001, stream_words(3, "seed", "test", 0)), u)  # stateless
 
 
@@ -45,7 +55,7 @@ def test_uniformity_chi_square():
     chi2 = float(((counts - DRAWS / bins) ** 2 / (DRAWS / bins)).sum())
     # chi-square with 255 degrees of freedom: mean 255, sd ~22.6; 6 sd either side
     assert 255 - 6 * 22.6 < chi2 < 255 + 6 * 22.6
-    low_bits = torch.bincount((u * 2**24).long() % 64, minlength=64).double()  # the least significant bits too
+    low_bits = torch.bincount((u * 2**16).long() % 64, minlength=64).double()  # the least significant bits too
     chi2_low = float(((low_bits - DRAWS / 64) ** 2 / (DRAWS / 64)).sum())
     assert 63 - 6 * 11.2 < chi2_low < 63 + 6 * 11.2
 
@@ -71,7 +81,7 @@ def test_streams_are_uncorrelated(other):
 
 def test_neighbouring_elements_are_uncorrelated():
     u = uniform(DRAWS, stream_words(0, 1, "rounding", 0, "bucket"))
-    for lag in (1, 2, 3, 4, 5):  # within a Philox block (lags 1-3) and across blocks
+    for lag in (1, 2, 3, 4, 5, 8, 9):  # within a Philox block (lags up to 7; 4: the same word) and across blocks
         assert abs(_correlation(u[:-lag], u[lag:])) * DRAWS**0.5 < 5, lag
 
 

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import random
+
 ENV_SWITCH = "HVDCOMP_FUSED"
 _RECOMPILE_LIMIT = 64  # one graph per lane count (at most 63) and input kind
 
@@ -36,6 +38,7 @@ _RECOMPILE_LIMIT = 64  # one graph per lane count (at most 63) and input kind
 class _Mode:
     forced_eager = 0  # depth of ``eager()`` contexts
     failed: str | None = None  # why compiling failed (then everything runs eagerly)
+    lanes_chosen = False  # _choose_cpu_lanes ran
 
 
 def enabled() -> bool:
@@ -60,6 +63,20 @@ def static(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return tensor
 
 
+def _choose_cpu_lanes() -> None:
+    """Before the first compile: Philox draws in int32 lanes unless Inductor vectorizes for AVX-512
+    (``hvdcomp.codec.random``; the same bits either way)."""
+    if _Mode.lanes_chosen:
+        return
+    _Mode.lanes_chosen = True
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    try:  # it compiles a probe: without a compiler the kernel's own compile fails next, and falls back
+        random.CPU_INT32_LANES = not str(pick_vec_isa()).startswith("avx512")
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class FusedKernel:
     """``fn`` compiled at first use (see the module docstring); ``kernel.eager_fn`` is ``fn`` itself.
 
@@ -78,6 +95,7 @@ class FusedKernel:
         if not enabled() or any(isinstance(a, torch.Tensor) and a.dim() and a.numel() < 2 for a in args):
             return self.eager_fn(*args)
         if self._compiled is None:
+            _choose_cpu_lanes()
             self._compiled = torch.compile(self.eager_fn, dynamic=True, fullgraph=self.in_place,
                                            options={"cpp.threads": torch.get_num_threads()})
         config = torch._dynamo.config  # set and restored around the call: cheaper than config.patch (~15 us)

@@ -116,7 +116,7 @@ _pack_bit_blocks = FusedKernel(_pack_bit_blocks_eager, in_place=True)
 
 def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Bits (bool, ``prob_plus``'s shape; True for +1): element ``i`` is True when uniform ``first + i`` of the
-    stream ``rng`` (int64 ``[4]`` words, ``random.stream_words``; ``first`` a multiple of 4) is below
+    stream ``rng`` (int64 ``[4]`` words, ``random.stream_words``) is below
     ``prob_plus[i]`` (float32 in [0, 1]), i.e. with that probability."""
     return _binarize(prob_plus, rng, first)
 
@@ -147,8 +147,8 @@ def bit_lane_words(bits: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
 
 def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout,
                     first: int = 0) -> torch.Tensor:
-    """``bit_lane_words`` of the draw ``draw_bits(m, b, rng)``, from uniforms ``first ...`` of ``rng`` (a multiple
-    of 4: elements ``first ...`` of a larger draw, the same bits): the whole blocks in one fused pass (no bit or
+    """``bit_lane_words`` of the draw ``draw_bits(m, b, rng)``, from uniforms ``first ...`` of ``rng`` (elements
+    ``first ...`` of a larger draw, the same bits): the whole blocks in one fused pass (no bit or
     probability buffer), the last, partial one apart."""
     _check_bit_layout(layout, "draw_lane_words")
     shifts = layout.lane_shifts(m.device)

@@ -10,7 +10,8 @@ Pure tensor math, no collectives. One exchange of a W-worker reduction goes:
    workers of their dequantized values.
 
 Each worker's level for an element ``x`` at resolution ``s`` is ``sign(x) * floor(|x| * (s / M) + U)``,
-``U ~ Uniform[0, 1)``, so ``E[level] * M / s = x`` (unbiased) and the per-element variance is at most
+``U`` uniform on (0, 1) (16 bits, ``hvdcomp.codec.random``), so ``E[level] * M / s = x`` (unbiased, up to
+``2**-17`` of a level from the draws' 16 bits) and the per-element variance is at most
 ``(M / s)**2 / 4``. ``M`` here is the shared maximum, or ``SCALE_FLOOR`` (2**-100) where that is smaller (an
 all-zero or vanishingly small group), so ``s / M`` is finite and the levels stay unbiased. The per-element
 factors (``s / M`` to encode, ``M / (s W)`` to decode) are computed once per group: the kernels multiply.
@@ -49,16 +50,15 @@ _LOOP_MAX_GROUPS = 16
 _LOOP_MIN_MEAN_LENGTH = 4096
 
 
-def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor,
-                      limit: int | None = None, first: int = 0) -> torch.Tensor:
+def stochastic_levels(magnitude: torch.Tensor, sign_of: torch.Tensor, rng: torch.Tensor, limit: int,
+                      first: int = 0) -> torch.Tensor:
     """int64 ``sign(sign_of) * min(floor(magnitude + U), limit)``, ``U`` = uniform ``first + i`` of the stream
-    words ``rng`` (``hvdcomp.codec.random.stream_words``; ``first`` a multiple of 4) for element ``i``: unbiased
-    for ``sign(sign_of) * magnitude`` (``0 <= magnitude <= limit``, float32), variance at most 1/4."""
+    words ``rng`` (``hvdcomp.codec.random.stream_words``) for element ``i``: unbiased (up to ``2**-17``)
+    for ``sign(sign_of) * magnitude`` (``0 <= magnitude <= limit <= 2**16``, float32), variance at most 1/4.
+    Converted through int32 (exact at these sizes): AVX2 converts float32 to int32 in vectors, to int64 not."""
     noise = uniform(magnitude.numel(), rng.to(magnitude.device), first).view(magnitude.shape)
-    levels = torch.floor(magnitude + noise)
-    if limit is not None:
-        levels = levels.clamp(max=limit)
-    return levels.copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int64)
+    levels = torch.floor(magnitude + noise).clamp(max=limit)
+    return levels.copysign(sign_of.reshape(magnitude.shape).float()).to(torch.int32).to(torch.int64)
 
 
 def _signed_levels(x: torch.Tensor, units: torch.Tensor, coarse: int, rng: torch.Tensor,

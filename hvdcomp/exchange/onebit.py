@@ -78,7 +78,7 @@ WORLD_CHUNK_ELEMENTS = 1 << 21  # Birder's world route sums its draw in chunks o
 def world_chunks(numel: int, world_size: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` chunks of about ``WORLD_CHUNK_ELEMENTS`` that cover ``numel`` elements, each starting on a
     whole block of words of ``LaneLayout(span=1, world_size)`` in the blocked order (``bit_lane_words``), which
-    is also a block of the random streams (``packing.LANE_BLOCK_WORDS`` is a multiple of their 4 outputs)."""
+    is also a block of the random streams (``packing.LANE_BLOCK_WORDS`` is a multiple of their 8 outputs)."""
     unit = lane_block_values(LaneLayout(span=1, world_size=world_size).lanes_per_word)
     size = -(-numel // max(1, -(-numel // WORLD_CHUNK_ELEMENTS)))
     size = max(unit, -(-size // unit) * unit)

@@ -17,9 +17,9 @@ twice instead, whatever ``W`` is:
 Per worker that is ``(W - 1) / W`` of the plain payload twice: about ``2 (bits + 1)`` bits per element
 on the wire (``cost.exchange_cost``), against ``2 bit_length(2 s W)`` for ring-summed lanes.
 
-**Statistics.** Both quantizations are unbiased (``U ~ Uniform[0, 1)``, drawn from the worker's
-counter-based rounding streams), so the result is: ``E[result] = mean_i x_i``. Per element with scale ``M``,
-stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` independent roundings of variance at most
+**Statistics.** Both quantizations are unbiased (``U`` uniform on (0, 1), up to ``2**-17`` of a level, drawn
+from the worker's counter-based rounding streams), so the result is: ``E[result] = mean_i x_i``. Per element
+with scale ``M``, stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` independent roundings of variance at most
 ``(M / s)**2 / 4``, averaged) and stage 2 at most ``(m M / s)**2 / 4 <= (M / s)**2 / 4``:
 
     Var[result] <= (M / s)**2 (1 + 1 / W) / 4        (lanes: (M / s)**2 / (4 W))
