@@ -11,18 +11,19 @@ bits with ten rounds of two 32 x 32 -> 64-bit multiplications; it passes TestU01
   ``r`` (``r < 4``) or the low half of word ``r - 4``; its uniform is ``(h + 1/2) 2**-16`` for those 16 bits
   ``h``, a float32 in (0, 1) (every value exact), symmetric about 1/2.
 
-Sixteen bits, not more, because the draws cost most of a codec's time (a Philox block costs about as much as
-the rest of encoding its 4 or 8 elements): stochastic rounding ``floor(m + U)`` with them is off by at most
-``2**-17`` of a level either way (zero on average over the fractions of ``m``), below float32's own rounding of
-``m + U`` near the top of 8-bit levels (``2**-16``).
+Sixteen bits, not 24 as before: a Philox block then serves 8 elements, not 4, and the draw is most of QSGD's
+encode (24-bit draws took 4.0 to 4.4 of its 4.8 ns per element compiled on an AVX2-only CPU, 16-bit ones 2.4 to
+3.2). Stochastic rounding ``floor(m + U)`` is then off by at most ``2**-17`` of a level either way (zero on
+average over the fractions of ``m``), below float32's own rounding of ``m + U`` near the top of 8-bit levels
+(``2**-16``).
 
 Each 32-bit word is held in an int64 tensor, and every operation is an integer add, xor, shift, mask or a product
 below ``2**63`` in magnitude (``_mulhilo_int64`` multiplies by ``m - 2**32``): no overflow anywhere. Compiled for
 a CPU without AVX-512 (``CPU_INT32_LANES``), whose vectors have no 64-bit multiply, the words are held in int32
 tensors as their two's-complement bits instead, and every operation is an int32 add, xor, mask, shift or product
 that keeps the low 32 bits (torch's integer arithmetic wraps); the high word of a 32 x 32-bit product then comes
-from four products of 16-bit halves (``_mulhilo_int32``). On an AVX2-only AMD EPYC a compiled draw cost 6.0 ns
-per element in int64 lanes and 4.0 to 4.3 in int32 ones; eagerly, int64 lanes are the faster (fewer passes).
+from four products of 16-bit halves (``_mulhilo_int32``). On an AVX2-only AMD EPYC a compiled draw cost 4.8 ns
+per element in int64 lanes and 3.2 in int32 ones; eagerly, int64 lanes are the faster (fewer passes).
 Both give the same bits, eagerly or compiled (``hvdcomp.codec.fused``), on CPU or GPU. No state: a draw is a
 pure function of its key, step and element index, so it resumes, replays and reorders exactly.
 """
