@@ -90,7 +90,7 @@ def test_draws_in_either_lane_width_equal_eager(int32_lanes, monkeypatch):
     monkeypatch.setattr(random, "CPU_INT32_LANES", int32_lanes)
     draw = torch.compile(uniform, dynamic=True)
     words = stream_words(2**33 + 5, "seed", 3)
-    for numel, first in ((4099, 0), (37, 4 * (2**32 - 3)), (65536 + 5, 2**40)):
+    for numel, first in ((4099, 0), (37, 8 * (2**32 - 2) + 4), (65536 + 5, 2**40)):  # blocks 2**32 - 2 .. 2**32 + 2
         assert torch.equal(draw(numel, words, first), uniform(numel, words, first)), (numel, first)
 
 
