@@ -82,12 +82,14 @@ def _philox(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Te
             int64_lanes: bool) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10 of words in int64 lanes (values in [0, 2**32)) or int32 lanes (their bits)."""
     mulhilo = _mulhilo_int64 if int64_lanes else _mulhilo_int32
+    step0, step1 = PHILOX_KEY_INCREMENTS if int64_lanes else map(_int32, PHILOX_KEY_INCREMENTS)
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for round_index in range(PHILOX_ROUNDS):
-        if round_index:
-            k0, k1 = ((k0 + PHILOX_KEY_INCREMENTS[0]) & WORD_MASK, (k1 + PHILOX_KEY_INCREMENTS[1]) & WORD_MASK) \
-                if int64_lanes else (k0 + _int32(PHILOX_KEY_INCREMENTS[0]), k1 + _int32(PHILOX_KEY_INCREMENTS[1]))
+        if round_index:  # int32 lanes wrap by themselves
+            k0, k1 = k0 + step0, k1 + step1
+            if int64_lanes:
+                k0, k1 = k0 & WORD_MASK, k1 & WORD_MASK
         hi0, lo0 = mulhilo(c0, PHILOX_MULTIPLIERS[0])
         hi1, lo1 = mulhilo(c2, PHILOX_MULTIPLIERS[1])
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
