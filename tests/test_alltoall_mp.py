@@ -99,3 +99,17 @@ def test_alltoall_and_fp16_over_real_transports(launcher):
                          for rank, codec in enumerate(codecs)])[0]
         for out in results:
             assert torch.equal(out["fp16"][step], want)  # identical, bit-exactly the simulation
+
+
+def test_horovod_waits_sleep_between_polls_instead_of_spinning(monkeypatch):
+    """Horovod 0.28.1's ``synchronize`` spins on ``sched_yield`` until a collective is done; ``HorovodTransport``
+    synchronizes a collective only once it polls done, sleeping between polls."""
+    from hvdcomp.transport import horovod as transport
+
+    polls, sleeps, synchronized = iter([False, False, True]), [], []
+    monkeypatch.setattr(transport.hvd, "poll", lambda handle: next(polls))
+    monkeypatch.setattr(transport.time, "sleep", sleeps.append)
+    monkeypatch.setattr(transport.hvd, "synchronize", lambda handle: synchronized.append((handle, len(sleeps))) or
+                        torch.ones(2))
+    assert torch.equal(transport.HorovodTransport().wait(7), torch.ones(2))
+    assert synchronized == [(7, 2)] and sleeps == [transport.WAIT_POLL_SECONDS] * 2

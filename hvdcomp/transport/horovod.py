@@ -28,6 +28,7 @@ exchange's all-to-all and all-gather in pieces; ``benchmarks/cluster_collectives
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ _DYNAMIC_SETS_NEEDED = (
     "--hierarchical-allreduce sets)"
 )
 ALLTOALL_PIECE_BYTES = 512 * 1024
+WAIT_POLL_SECONDS = 1e-4
 _HIERARCHY_SETS: dict[tuple[int, int], tuple[list[hvd.ProcessSet], list[hvd.ProcessSet]]] = {}
 
 
@@ -117,6 +119,15 @@ def _near_equal_splits(length: int, workers: int) -> list[int]:
     return [length // workers + (j < length % workers) for j in range(workers)]
 
 
+def _synchronize(handle: Any) -> Any:
+    """``hvd.synchronize(handle)``, sleeping ``WAIT_POLL_SECONDS`` between polls until the collective is done.
+    Horovod 0.28.1's own wait spins on ``sched_yield``: for as long as a collective runs, it holds a core that
+    Horovod's background thread, the kernel's network stack and the other workers on the host need."""
+    while not hvd.poll(handle):
+        time.sleep(WAIT_POLL_SECONDS)
+    return hvd.synchronize(handle)
+
+
 @dataclass
 class _HalfSum:
     """A float16 SUM in flight (the module docstring): the ``span`` of a window (elements), the ``result`` (the
@@ -150,7 +161,7 @@ class _HalfSum:
         for index, scattered in enumerate(self.scatters):
             if scattered is None or not (block or hvd.poll(scattered)):
                 continue
-            received, _ = hvd.synchronize(scattered)  # [W * mine]: my part of every worker's window, by rank
+            received, _ = _synchronize(scattered)  # [W * mine]: my part of every worker's window, by rank
             mine = received.numel() // workers
             rows = received.new_empty(workers, mine)  # my part's sum, once per destination
             if mine:
@@ -162,7 +173,7 @@ class _HalfSum:
         sums = self.result.view(-1).split(self.span)
         for index, gathered in enumerate(self.gathers):
             if gathered is not None and (block or hvd.poll(gathered)):
-                sums[index].copy_(hvd.synchronize(gathered)[0])  # the window's sums, in order
+                sums[index].copy_(_synchronize(gathered)[0])  # the window's sums, in order
                 self.gathers[index] = None
 
     def poll(self) -> bool:
@@ -262,7 +273,7 @@ class HorovodTransport:
             for lo, hi, piece in handle.handles:  # each piece's rows, by sender, into its columns
                 handle.out[:, lo:hi] = self.wait(piece).view(handle.out.shape[0], hi - lo)
             return handle.out.view(handle.shape)
-        result = hvd.synchronize(handle)
+        result = _synchronize(handle)
         return result[0] if isinstance(result, tuple) else result  # an all-to-all also returns its splits
 
     def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
