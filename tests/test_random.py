@@ -1,5 +1,6 @@
-"""The counter-based generator: Philox4x32-10's known answers, and the statistics of its uniforms and of
-stochastic rounding with them (uniformity, bias, correlation across ranks, steps, tensors and neighbours)."""
+"""The counter-based generator: Philox4x32's known answers (7 rounds, the draws', and 10), and the statistics
+of its uniforms and of stochastic rounding with them (uniformity, bias, correlation across ranks, steps, tensors
+and neighbours)."""
 
 import pytest
 import torch
@@ -13,20 +14,32 @@ def _words(values):
     return tuple(torch.tensor([v], dtype=torch.int64) for v in values)
 
 
-# Random123's kat_vectors (philox4x32 with 10 rounds): counter, key, expected output.
+# Random123's kat_vectors (philox4x32 with 7 and 10 rounds): rounds, counter, key, expected output.
+_ONES = ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2)
+_PI = ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0))
 KNOWN_ANSWERS = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, *_ONES, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, *_PI, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, *_ONES, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, *_PI, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 
 
 @pytest.mark.parametrize("int32_lanes", [False, True])
-@pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS)
-def test_philox_known_answers(counter, key, expected, int32_lanes):
-    out = philox4x32(_words(counter), _words(key), int32_lanes)
+@pytest.mark.parametrize("rounds,counter,key,expected", KNOWN_ANSWERS)
+def test_philox_known_answers(rounds, counter, key, expected, int32_lanes):
+    out = philox4x32(_words(counter), _words(key), int32_lanes, rounds)
     assert tuple(int(word) for word in out) == expected
+
+
+def test_draws_use_seven_rounds():
+    words = stream_words(0, "seed")
+    block = philox4x32(tuple(torch.tensor([v]) for v in (0, 0, int(words[2]), int(words[3]))),
+                       (words[0:1], words[1:2]), rounds=7)
+    halves = [int(word) >> 16 for word in block] + [int(word) & 0xFFFF for word in block]
+    assert uniform(8, words).tolist() == [(h + 0.5) / 2**16 for h in halves]
 
 
 def test_both_lane_widths_give_the_same_words():
@@ -36,7 +49,7 @@ def test_both_lane_widths_give_the_same_words():
     assert all(torch.equal(a, b) for a, b in zip(philox4x32(counter, key), philox4x32(counter, key, True)))
 
 
-def test_uniforms_are_24_bit_floats_in_unit_interval_and_addressable_by_block():
+def test_uniforms_are_16_bit_floats_in_unit_interval_and_addressable_by_block():
     words = stream_words(3, "seed", "test", 0)
     u = uniform(1001, words)
     assert u.dtype == torch.float32 and u.shape == (1001,)

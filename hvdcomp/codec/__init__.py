@@ -9,7 +9,7 @@
 - ``lowrank``: PowerSGD's orthonormalization and flat packing;
 - ``onebit``: Birder's direction, binarization and count decoding;
 - ``half``: float16 rounding, chunk sums and means (``FP16``'s math, fused);
-- ``random``: counter-based random numbers (Philox4x32-10), keyed by seed, rank, tensor and step;
+- ``random``: counter-based random numbers (Philox4x32-7), keyed by seed, rank, tensor and step;
 - ``fused``: the pure kernels compiled by ``torch.compile``, with their eager fallback;
 - ``seeding`` and ``validate``: shared seeds and argument checks for every layer.
 
