@@ -4,10 +4,10 @@
 Philox4x32 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC 2011; the
 generator behind cuRAND's and JAX's counter streams, with 10 rounds) maps a 128-bit counter and a 64-bit key to
 128 random bits with rounds of two 32 x 32 -> 64-bit multiplications. Its authors report it Crush-resistant (it
-passes TestU01's SmallCrush, Crush and BigCrush) from 7 rounds, and use 10 by default for a safety margin. Here 7:
-the draw is most of QSGD's encode, and 7 rounds cut a compiled draw from 2.3 to 1.5 ns per element and QSGD 2's
-encode from 4.25 to 3.8 on an AVX2-only CPU. ``tests/test_random.py`` checks Random123's known answers for 7 and
-10 rounds and the statistics of the draws. Here:
+passes TestU01's SmallCrush, Crush and BigCrush) from 7 rounds, and use 10 by default for a safety margin. Here
+7, which cut a compiled draw from 2.3 to 1.5 ns per element on an AVX2-only CPU (inside QSGD 2's encode 0.2 to
+0.45 of its 3.3 to 4.25 ns; QSGD 4's and 8's did not measurably change). ``tests/test_random.py`` checks
+Random123's known answers for 7 and 10 rounds and the statistics of the draws. Here:
 
 - key: ``stable_seed(seed, purpose, rank, tensor key)`` (63 bits) split into two 32-bit words;
 - counter: ``(j mod 2**32, j // 2**32, step mod 2**32, step // 2**32)`` for block ``j``;
