@@ -26,7 +26,7 @@ def _make(name):
     import hvdcomp
 
     cls, kwargs = {**COMPRESSORS, **AHEAD}[name]
-    return getattr(hvdcomp, cls)(**kwargs)
+    return getattr(hvdcomp, cls)(**kwargs, min_compress_numel=0)  # these tensors are small
 
 
 def _grads(rank, step):
@@ -117,7 +117,7 @@ def _mismatch_worker():
 
     caught = {}
     # equal carrier lengths, different bits: only the tag can tell
-    compressor = hvdcomp.QSGDMaxNorm(bits=8 if hvd.rank() == 0 else 7)
+    compressor = hvdcomp.QSGDMaxNorm(bits=8 if hvd.rank() == 0 else 7, min_compress_numel=0)
     payload, ctx = compressor.compress(torch.ones(1))
     try:
         compressor.decompress(hvd.allreduce(payload), ctx)
@@ -130,6 +130,72 @@ def test_mismatched_configuration_raises_on_every_rank():
     results = run_function(_mismatch_worker, np=2)
     for rank_result in results:
         assert "different" in rank_result["bits"]
+
+
+def _small_gradients_worker():
+    """Default ``min_compress_numel``: gradients below it travel as float32, those at it are quantized."""
+    import horovod.torch as hvd
+
+    import hvdcomp
+    from hvdcomp.integrations.compressors import MIN_COMPRESS_NUMEL
+
+    gen = torch.Generator().manual_seed(hvd.rank())
+    small, big = torch.randn(MIN_COMPRESS_NUMEL - 1, generator=gen), torch.randn(MIN_COMPRESS_NUMEL, generator=gen)
+    half = torch.randn(5, 3, generator=gen).half()
+
+    def exchange(compressor, gradient, name):
+        payload, ctx = compressor.compress(gradient)
+        sent = payload.clone()
+        return sent, compressor.decompress(hvd.allreduce(payload, op=hvd.Average, name=name), ctx)
+
+    out = {}
+    for label, gradient in (("small", small), ("half", half), ("big", big)):
+        compressor = hvdcomp.QSGDMaxNorm(4)
+        sent, result = exchange(compressor, gradient, label)
+        out[label] = {"sent": sent, "result": result, "exact": hvd.allreduce(gradient.float(), name=f"{label}.exact"),
+                      "scale": hvd.allreduce(gradient.float().abs().max(), op=hvd.Max, name=f"{label}.max"),
+                      "stats": compressor.stats.last_step.as_dict(), "steps": dict(compressor._steps)}
+    everything = hvdcomp.QSGDMaxNorm(4, min_compress_numel=0)
+    out["small_compressed"] = exchange(everything, small, "small_compressed")[1]
+    # workers that disagree on the threshold: both compress (carrier tags differ), or only one does
+    both = hvdcomp.QSGDMaxNorm(4, min_compress_numel=100 if hvd.rank() == 0 else 0)
+    try:
+        exchange(both, torch.randn(200, generator=gen), "both")
+    except hvdcomp.CarrierMismatchError as error:
+        out["both"] = str(error)
+    one = hvdcomp.QSGDMaxNorm(4, min_compress_numel=MIN_COMPRESS_NUMEL if hvd.rank() == 0 else 0)
+    try:
+        exchange(one, small, "one")
+    except Exception as error:  # noqa: BLE001 (Horovod's own mismatch error)
+        out["one"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_gradients_below_min_compress_numel_travel_uncompressed():
+    results = run_function(_small_gradients_worker, np=2)
+    for rank_result in results:
+        for label in ("small", "half"):
+            case = rank_result[label]
+            assert case["sent"].dtype == torch.float32 and case["sent"].shape == case["exact"].shape, label
+            assert torch.equal(case["result"], case["exact"].to(case["result"].dtype)), label  # as Compression.none
+            assert case["steps"] == {} and case["stats"]["sent_bytes"] == 4 * case["exact"].numel(), label
+        assert rank_result["half"]["result"].dtype == torch.float16
+        big, small = rank_result["big"], rank_result["small"]
+        assert big["sent"].dtype == torch.float64 and big["stats"]["compression_ratio"] > 3.5
+        for result, case in ((big["result"], big), (rank_result["small_compressed"], small)):
+            error = float((result - case["exact"]).abs().max())
+            assert 0 < error <= case["scale"] / 15  # quantized: within one level of 4 bits
+        assert "different" in rank_result["both"]
+        assert "mismatch" in rank_result["one"].lower(), rank_result["one"]
+    assert torch.equal(results[0]["big"]["result"], results[1]["big"]["result"])
+
+
+def test_min_compress_numel_is_checked():
+    import hvdcomp
+
+    for bad in (-1, 1.5, "8"):
+        with pytest.raises((TypeError, ValueError), match="min_compress_numel"):
+            hvdcomp.QSGDMaxNorm(4, min_compress_numel=bad)
 
 
 def _train_worker(names, op, predivide, passes, steps):

@@ -64,9 +64,9 @@ def _codec(name):
         "none": lambda: None,
         # the exact scale: these tests bound each step's error (scale="ahead" delays a clipped excess a step;
         # tests/test_ahead.py and tests/test_optimizer_mp.py cover it)
-        "qsgd8": lambda: hvdcomp.QSGDMaxNorm(8, scale="exact"),
-        "qsgd8_ahead": lambda: hvdcomp.QSGDMaxNorm(8),
-        "multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale((3, 8)),
+        "qsgd8": lambda: hvdcomp.QSGDMaxNorm(8, scale="exact", min_compress_numel=0),
+        "qsgd8_ahead": lambda: hvdcomp.QSGDMaxNorm(8, min_compress_numel=0),
+        "multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale((3, 8), min_compress_numel=0),
         # rank 8 >= min(n, m) for every matrix here: the low-rank approximation is exact
         "powersgd": lambda: hvdcomp.PowerSGD(rank=8, min_compression_rate=0.0),
         "fp16": lambda: hvdcomp.FP16(),
@@ -284,7 +284,7 @@ def _stock_error_feedback_worker(steps=4):
     lr = 0.1
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=lr), named_parameters=model.named_parameters(),
-        compression=hvdcomp.GlobalRandKMaxNorm(ratio=0.5, bits=16, error_feedback=True))
+        compression=hvdcomp.GlobalRandKMaxNorm(ratio=0.5, bits=16, error_feedback=True, min_compress_numel=0))
     for step in range(steps):
         optimizer.zero_grad()
         x, y = _batch(hvd.rank(), step)
@@ -316,9 +316,10 @@ def _stock_rank_dependent_heads_worker(codec, steps=4):
     import hvdcomp
 
     out = {}
-    compressions = {"none": lambda: hvd.Compression.none, "qsgd8": lambda: hvdcomp.QSGDMaxNorm(8, scale="exact"),
-                    "qsgd8_ahead": lambda: hvdcomp.QSGDMaxNorm(8),
-                    "randk05": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.5)}
+    compressions = {"none": lambda: hvd.Compression.none,
+                    "qsgd8": lambda: hvdcomp.QSGDMaxNorm(8, scale="exact", min_compress_numel=0),
+                    "qsgd8_ahead": lambda: hvdcomp.QSGDMaxNorm(8, min_compress_numel=0),
+                    "randk05": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.5, min_compress_numel=0)}
     for label in ("none", codec):
         torch.manual_seed(0)
         model = torch.nn.ModuleDict({"trunk": torch.nn.Linear(6, 8), "p": torch.nn.Linear(8, 3),
@@ -620,7 +621,7 @@ def _randk_counts_worker(configs):
         gen = torch.Generator().manual_seed(7)
         model = torch.nn.ParameterDict({name: torch.nn.Parameter(torch.randn(shape, generator=gen))
                                         for name, shape in RANDK_SHAPES.items()})
-        compression = hvdcomp.GlobalRandKMaxNorm(k=K, bits=8, error_feedback=False)
+        compression = hvdcomp.GlobalRandKMaxNorm(k=K, bits=8, error_feedback=False, min_compress_numel=0)
         sgd = torch.optim.SGD(model.parameters(), lr=0.1)
         if config == "stock":
             optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
@@ -831,7 +832,8 @@ def _stock_sparse_worker():
     import hvdcomp
 
     out = {}
-    for label, compression in (("horovod", hvd.Compression.none), ("ours", hvdcomp.QSGDMaxNorm(8))):
+    for label, compression in (("horovod", hvd.Compression.none),
+                               ("ours", hvdcomp.QSGDMaxNorm(8, min_compress_numel=0))):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 3))
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -44,9 +44,9 @@ def _ahead_worker():
             out[("state", step)] = copy.deepcopy(compressor.state_dict())
 
     original, resumed = {}, {}
-    compressor = hvdcomp.QSGDMaxNorm(BITS)
+    compressor = hvdcomp.QSGDMaxNorm(BITS, min_compress_numel=0)
     run(compressor, range(STEPS), original)
-    fresh = hvdcomp.QSGDMaxNorm(BITS)
+    fresh = hvdcomp.QSGDMaxNorm(BITS, min_compress_numel=0)
     fresh.load_state_dict(original[("state", RESUME_AFTER)])
     run(fresh, range(RESUME_AFTER + 1, STEPS), resumed)
     return {"original": original, "resumed": resumed}

@@ -67,10 +67,10 @@ _ONE_PROCESS = textwrap.dedent("""
         def compress(self, tensor):
             return super().compress(tensor)
 
-    out = {"plain": run(hvdcomp.QSGDMaxNormMultiScale((3, 8))),
-           "randk": run(hvdcomp.GlobalRandKMaxNorm(ratio=0.5)),
-           "wrapped": run(Logged(8)),
-           "groups": run(hvdcomp.QSGDMaxNorm(8), groups=2)}
+    out = {"plain": run(hvdcomp.QSGDMaxNormMultiScale((3, 8), min_compress_numel=0)),
+           "randk": run(hvdcomp.GlobalRandKMaxNorm(ratio=0.5, min_compress_numel=0)),
+           "wrapped": run(Logged(8, min_compress_numel=0)),
+           "groups": run(hvdcomp.QSGDMaxNorm(8, min_compress_numel=0), groups=2)}
     sys.stdout.buffer.write(pickle.dumps(out))
 """)
 
@@ -109,7 +109,8 @@ def _branch_worker():
     import hvdcomp
 
     out = {}
-    for label, compression in (("none", hvd.Compression.none), ("qsgd8", hvdcomp.QSGDMaxNorm(8, scale="exact"))):
+    for label, compression in (("none", hvd.Compression.none),
+                               ("qsgd8", hvdcomp.QSGDMaxNorm(8, scale="exact", min_compress_numel=0))):
         # this step's scale: within 8-bit rounding of Horovod (scale="ahead" may hold back a clipped part of
         # the last step; tests/test_robust_mp.py's qsgd8_ahead case covers it with per-rank parameters)
         torch.manual_seed(0)
@@ -145,7 +146,7 @@ _RESUME = textwrap.dedent("""
     os.environ["HOROVOD_ELASTIC"] = "1"  # Horovod registers its hooks on one worker too
 
     def build(model):
-        compression = hvdcomp.GlobalRandKMaxNorm(ratio=0.5, bits=4)
+        compression = hvdcomp.GlobalRandKMaxNorm(ratio=0.5, bits=4, min_compress_numel=0)
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                              named_parameters=model.named_parameters(), compression=compression)
         return optimizer, compression

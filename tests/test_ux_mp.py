@@ -138,8 +138,9 @@ def _warmup_worker():
     out["randk_compressor"] = run(ours(compression=randk), randk)
     powersgd = hvdcomp.PowerSGD(rank=1, min_compression_rate=1.0)
     out["powersgd"] = run(ours(compression=powersgd, warmup_steps=WARMUP), powersgd)
-    for label, compressor in (("stock_randk", hvdcomp.GlobalRandKMaxNorm(ratio=0.3, bits=4, warmup_steps=WARMUP)),
-                              ("stock_qsgd", hvdcomp.QSGDMaxNorm(2, warmup_steps=WARMUP))):
+    for label, compressor in (
+            ("stock_randk", hvdcomp.GlobalRandKMaxNorm(ratio=0.3, bits=4, warmup_steps=WARMUP, min_compress_numel=0)),
+            ("stock_qsgd", hvdcomp.QSGDMaxNorm(2, warmup_steps=WARMUP, min_compress_numel=0))):
         out[label] = run(stock(compressor), compressor)
     return out
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .cost import ring_wire_bytes
-from .protocol import Exchange, Op, Reduction, Scope, Topology, group_size, relay
+from .protocol import Exchange, Op, Reduction, Scope, Topology, Transport, group_size, relay
 
 
 @dataclass
@@ -110,6 +110,21 @@ def timed(traffic: Traffic, seconds: str) -> Iterator[None]:
         yield
     finally:
         setattr(traffic, seconds, getattr(traffic, seconds) + time.perf_counter() - start)
+
+
+class CountedCollectives:
+    """``transport``'s blocking ``collective`` (all that ``drive_together`` calls), with the bytes and waits
+    counted in ``traffic``."""
+
+    def __init__(self, transport: Transport, traffic: Traffic) -> None:
+        self.transport, self.traffic = transport, traffic
+
+    def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
+        self.traffic.count(op, tensor, self.transport)
+        start = time.perf_counter()
+        result = self.transport.collective(op, tensor)
+        self.traffic.communicate_s += time.perf_counter() - start
+        return result
 
 
 def counted(exchange: Exchange, traffic: Traffic, topology: Topology, control: bool = False) -> Exchange:

@@ -2,37 +2,34 @@
 
 Pass one to the stock optimizer, e.g.
 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=QSGDMaxNorm(8))``. ``compress``
-issues no collective. With ``scale="ahead"`` (``QSGDMaxNorm``'s default) and a scale agreed at the
-gradient's previous exchange, it quantizes at once and returns the whole payload in a float64 carrier
-that Horovod all-reduces during backward, with each worker's local maximum for the next step's scale
-(``scale_ahead``: clipping, error feedback, bias and variance). Otherwise (``scale="exact"``, the
-other compressors, and a gradient's first exchange) it records the gradient and returns a small
-float64 *header carrier*
-(``hvdcomp.codec.carrier``: canary, world size and a tag of the compressor's configuration, the
-gradient's name, its step and size, and no words), which Horovod reduces with the optimizer's op (Sum
-or Average, predivide factor allowed). The first ``decompress`` of a step runs the codec's exchanges
-of all the step's gradients together, in name order, with one blocking collective per round for the
-whole step (``drive_together``: a MAX of every scale, for the multi-scale variants a SUM of the
-agreement bits, then one int64 SUM of every packed level). By then every worker has compressed all
-its gradients of the step: Horovod's ``synchronize()`` compresses the parameters whose hook did not
-fire (zero-filled) before it waits for any handle, so every worker compressed the same names (every
-parameter that requires a gradient), whatever parameters its own loss used. Each ``decompress``
-returns what the reduced header says the op made of the workers' dequantized gradients (their mean
-if Horovod averaged, their sum if it summed), identical on every worker, in the gradient's shape and
-dtype. Per-rank parameter sets (a head used on some workers only) therefore work as in stock
-Horovod. The price: the exchange starts only in ``synchronize()``, so on this path communication does
-not overlap backward (``hvdcomp.DistributedOptimizer`` overlaps it).
+issues no collective. Gradients smaller than ``min_compress_numel`` (and all during warm-up) are sent as
+float32, as ``hvd.Compression.none`` sends them. With ``scale="ahead"`` (``QSGDMaxNorm``'s default) and a
+scale agreed at the gradient's previous exchange, ``compress`` quantizes at once and returns the whole
+payload in a float64 carrier that Horovod all-reduces during backward, with each worker's local maximum
+for the next step's scale (``scale_ahead``: clipping, error feedback, bias and variance). Otherwise
+(``scale="exact"``, the other compressors, and a gradient's first exchange) it records the gradient and
+returns a small float64 *header carrier* (``hvdcomp.codec.carrier``: canary, world size and a tag of the
+compressor's configuration, the gradient's name, its step and size, and no words), which Horovod reduces
+with the optimizer's op (Sum or Average, predivide factor allowed). The first ``decompress`` of a step
+runs the codec's exchanges of all the step's gradients together, in name order, with one blocking
+collective per round for the whole step (``drive_together``: a MAX of every scale, for the multi-scale
+variants a SUM of the agreement bits, then one int64 SUM of every packed level). By then every worker
+has compressed all its gradients of the step: Horovod's ``synchronize()`` compresses the parameters
+whose hook did not fire (zero-filled) before it waits for any handle, so every worker compressed the
+same names, whatever parameters its own loss used. Each ``decompress`` returns what the reduced header
+says the op made of the workers' dequantized gradients (their mean if Horovod averaged, their sum if it
+summed), identical on every worker, in the gradient's shape and dtype. The price: the exchange starts
+only in ``synchronize()``, so it does not overlap backward (``hvdcomp.DistributedOptimizer`` overlaps it).
 
 Gradients are identified by Horovod's own name for them (read from the optimizer's frames, see
 ``stock_names``), which keys their error-feedback memory, coordinate sets, step counts and tags.
 Every MAX round is stamped with each gradient's tag (``carrier.stamp``), so workers that batch
 different gradients, or configure the compressor differently, all raise ``CarrierMismatchError``
-rather than mix their scales; each header checks the same again. Called outside Horovod's optimizer
-(e.g. directly), ``compress`` identifies a gradient by its position within the step (a step ends when
-decompressing starts) and the step's exchanges run in call order, so every worker must compress its
-gradients in the same order.
-If any worker's gradient holds NaN/Inf, every worker gets an all-NaN result for that tensor (as an
-uncompressed all-reduce would; ``torch.amp.GradScaler`` then skips the step) and a warning.
+rather than mix their scales; each header checks the same again. Called outside Horovod's optimizer,
+``compress`` identifies a gradient by its position within the step (a step ends when decompressing
+starts) and the step's exchanges run in call order, so every worker must compress in the same order.
+If any worker's compressed gradient holds NaN/Inf, every worker gets an all-NaN result for that tensor
+(as an uncompressed all-reduce would; ``torch.amp.GradScaler`` then skips the step) and a warning.
 """
 
 from __future__ import annotations
@@ -58,12 +55,14 @@ from ..exchange.bucket import BucketCodec
 from ..exchange.cost import EXCHANGES
 from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
 from ..exchange.protocol import Exchange, Op, drive_together, relay
-from ..exchange.stats import Statistics, Traffic
+from ..exchange.stats import CountedCollectives, Statistics, Traffic
 from ..exchange.two_stage import TwoStageMaxNorm
 from ..transport.horovod import HorovodTransport
 from .scale_ahead import SCALE_MODES, AheadExchange, ScaleAhead
 from .stock_names import stock_call
-from .warmup import WarmupContext, warmup_compress
+from .warmup import UncompressedContext, send_uncompressed
+
+MIN_COMPRESS_NUMEL = 16384  # the stock path's default: smaller gradients go uncompressed (64 KiB of float32)
 
 
 @dataclass
@@ -97,20 +96,6 @@ class _AheadContext:
     traffic: Traffic  # the carrier, the uncompressed size, the coding time
 
 
-class _CountingTransport:
-    """``transport``'s blocking collectives, with their bytes and waits counted in ``traffic``."""
-
-    def __init__(self, transport: HorovodTransport, traffic: Traffic) -> None:
-        self.transport, self.traffic = transport, traffic
-
-    def collective(self, op: Op, tensor: torch.Tensor) -> torch.Tensor:
-        self.traffic.count(op, tensor, self.transport)
-        start = time.perf_counter()
-        result = self.transport.collective(op, tensor)
-        self.traffic.communicate_s += time.perf_counter() - start
-        return result
-
-
 def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise TypeError("hvdcomp compressors need dense gradients; sparse gradients are not supported")
@@ -129,6 +114,9 @@ class MaxNormCompressor(Compressor):
             (``QSGDMaxNorm``'s default: the scale agreed at the previous step, see ``scale_ahead``).
         warmup_steps: the first ``warmup_steps`` steps send the gradient uncompressed (float32, reduced by
             Horovod as with ``hvd.Compression.none``); the codec, its memories and step counts stay untouched.
+        min_compress_numel: smaller gradients are always sent so (cf. BytePS's ``min_compress_bytes``): a
+            compressed gradient costs a fixed ~0.7 ms of codec calls, more than a small one saves on the
+            wire. ``0`` compresses all. Stock optimizer only (hvdcomp's optimizer and DDP hook use buckets).
 
     ``stats`` (``hvdcomp.exchange.stats.Statistics``) counts what this worker sent (the batched scales,
     agreement bits and packed levels when a step's exchange runs, each gradient's header carrier) and
@@ -137,7 +125,7 @@ class MaxNormCompressor(Compressor):
     """
 
     def __init__(self, codec: MaxNormCodec, process_set: hvd.ProcessSet | None = None, scale: str = "exact",
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
         if scale not in SCALE_MODES:
             raise ValueError(f"scale must be one of {SCALE_MODES}, got {scale!r}")
         if scale == "ahead" and codec.selector is not None:
@@ -146,6 +134,7 @@ class MaxNormCompressor(Compressor):
         self.scale = scale
         self.ahead = ScaleAhead(codec.quantizer) if scale == "ahead" else None
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 0)
         self._warmup_done, self._warming = 0, False  # warm-up steps begun; whether this step is one
         self.transport = HorovodTransport(process_set)
         self.stats = Statistics()
@@ -182,8 +171,9 @@ class MaxNormCompressor(Compressor):
             self.stats.steps += 1
             self._warming = self._warmup_done < self.warmup_steps
             self._warmup_done += self._warming
-        if self._warming:
-            return warmup_compress(tensor, self.stats, self.transport)
+        flat = _flat_float(tensor)
+        if self._warming or flat.numel() < self.min_compress_numel:
+            return send_uncompressed(tensor, self.stats, self.transport)
         if self._batch is None:
             self._batch = _Batch()
         step_of = self._steps.get
@@ -193,7 +183,6 @@ class MaxNormCompressor(Compressor):
         else:
             key, self._index_in_step = self._index_in_step, self._index_in_step + 1
             order = (1, key, step_of(key, 0))
-        flat = _flat_float(tensor)
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
         world_size = self.transport.size
@@ -202,7 +191,8 @@ class MaxNormCompressor(Compressor):
         # which gradient, and how every worker must have configured the compressor: in each MAX round's
         # stamp and in the carrier's header
         tag = carrier.to_tag(stable_seed(type(self).__name__, self.codec.config(), self.codec.seed, world_size,
-                                         flat.numel(), step, key, self.scale, ahead))
+                                         flat.numel(), step, key, self.scale, ahead,
+                                         self.min_compress_numel))
         traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
         values = flat if self.ahead is None else self.ahead.with_excess(key, flat)
         if ahead:
@@ -247,7 +237,7 @@ class MaxNormCompressor(Compressor):
         int64 SUM of every payload; leave each context its slice of the sums."""
         batch.exchanged = True
         contexts = sorted(batch.contexts, key=lambda ctx: ctx.order)
-        transport = _CountingTransport(self.transport, batch.traffic)
+        transport = CountedCollectives(self.transport, batch.traffic)
         start = time.perf_counter()
         payloads = drive_together([ctx.exchange for ctx in contexts], transport, Op.PAYLOAD)
         sums = transport.collective(Op.PAYLOAD, torch.cat([payload.reshape(-1) for payload in payloads]))
@@ -265,7 +255,7 @@ class MaxNormCompressor(Compressor):
         if ctx is None:
             return tensor
         self._step_open = False
-        if isinstance(ctx, WarmupContext):
+        if isinstance(ctx, UncompressedContext):
             return ctx.decompress(tensor)
         if isinstance(ctx, _AheadContext):
             return self._finish_ahead(tensor, ctx)
@@ -324,9 +314,10 @@ class QSGDMaxNorm(MaxNormCompressor):
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None, scale: str = "ahead", warmup_steps: int = 0) -> None:
+                 process_set: hvd.ProcessSet | None = None, scale: str = "ahead", warmup_steps: int = 0,
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
         super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set, scale,
-                         warmup_steps)
+                         warmup_steps, min_compress_numel)
 
 
 class QSGDMaxNormMultiScale(MaxNormCompressor):
@@ -338,9 +329,10 @@ class QSGDMaxNormMultiScale(MaxNormCompressor):
     """
 
     def __init__(self, bits: Sequence[int] = (4, 8), chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0,
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
         super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set,
-                         warmup_steps=warmup_steps)
+                         warmup_steps=warmup_steps, min_compress_numel=min_compress_numel)
 
 
 class GlobalRandKMaxNorm(MaxNormCompressor):
@@ -355,10 +347,11 @@ class GlobalRandKMaxNorm(MaxNormCompressor):
 
     def __init__(self, k: int | None = None, ratio: float | None = None, bits: int = 8,
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0,
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
         super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), selector, error_feedback, seed),
-                         process_set, warmup_steps=warmup_steps)
+                         process_set, warmup_steps=warmup_steps, min_compress_numel=min_compress_numel)
 
 
 class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
@@ -366,10 +359,11 @@ class GlobalRandKMaxNormMultiScale(MaxNormCompressor):
 
     def __init__(self, k: int | None = None, ratio: float | None = None, bits: Sequence[int] = (4, 8),
                  error_feedback: bool = True, chunk_size: int | None = None, seed: int = 0,
-                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0) -> None:
+                 process_set: hvd.ProcessSet | None = None, warmup_steps: int = 0,
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
         selector = RandomCoordinateSelector(k, ratio, seed)
         super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), selector, error_feedback, seed),
-                         process_set, warmup_steps=warmup_steps)
+                         process_set, warmup_steps=warmup_steps, min_compress_numel=min_compress_numel)
 
 
 def bucket_codec(compression: Any, exchange: str = "lanes", workers_per_node: int = 1) -> BucketCodec:

@@ -32,8 +32,9 @@ def resolve_warmup(warmup_steps: int | None, compression: Any) -> int:
 
 
 @dataclass
-class WarmupContext:
-    """A stock-path gradient sent uncompressed: Horovod reduces it as it is (float32)."""
+class UncompressedContext:
+    """A stock-path gradient sent uncompressed (warm-up, or smaller than ``min_compress_numel``): Horovod
+    reduces it as it is (float32)."""
 
     dtype: torch.dtype
 
@@ -41,13 +42,13 @@ class WarmupContext:
         return tensor.to(self.dtype)
 
 
-def warmup_compress(tensor: torch.Tensor, stats: Statistics, topology: Topology) -> tuple[torch.Tensor,
-                                                                                         WarmupContext]:
-    """What a stock-path compressor returns during warm-up: the float32 gradient (counted as sent and as
-    uncompressed) and its context; Horovod then reduces it with the optimizer's op, as with
-    ``hvd.Compression.none``."""
+def send_uncompressed(tensor: torch.Tensor, stats: Statistics,
+                      topology: Topology) -> tuple[torch.Tensor, UncompressedContext]:
+    """What a stock-path compressor returns for a gradient it does not compress (during warm-up, or one smaller
+    than its ``min_compress_numel``): the float32 gradient (counted as sent and as uncompressed) and its
+    context; Horovod then reduces it with the optimizer's op, as with ``hvd.Compression.none``."""
     flat = tensor.float()
     for traffic in (stats.last_step, stats.total):
         traffic.count(Op.SUM, flat, topology)
         traffic.uncompressed_bytes += tensor.numel() * tensor.element_size()
-    return flat, WarmupContext(tensor.dtype)
+    return flat, UncompressedContext(tensor.dtype)
