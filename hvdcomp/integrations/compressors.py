@@ -16,10 +16,11 @@ collective per round for the whole step (``drive_together``: a MAX of every scal
 variants a SUM of the agreement bits, then one int64 SUM of every packed level). By then every worker
 has compressed all its gradients of the step: Horovod's ``synchronize()`` compresses the parameters
 whose hook did not fire (zero-filled) before it waits for any handle, so every worker compressed the
-same names, whatever parameters its own loss used. Each ``decompress`` returns what the reduced header
-says the op made of the workers' dequantized gradients (their mean if Horovod averaged, their sum if it
-summed), identical on every worker, in the gradient's shape and dtype. The price: the exchange starts
-only in ``synchronize()``, so it does not overlap backward (``hvdcomp.DistributedOptimizer`` overlaps it).
+same names, whatever parameters its own loss used (so a head used on some workers only works as in stock
+Horovod). Each ``decompress`` returns what the reduced header says the op made of the workers' dequantized
+gradients (their mean if Horovod averaged, their sum if it summed), identical on every worker, in the
+gradient's shape and dtype. The price: the exchange starts only in ``synchronize()``, so it does not
+overlap backward (``hvdcomp.DistributedOptimizer`` overlaps it).
 
 Gradients are identified by Horovod's own name for them (read from the optimizer's frames, see
 ``stock_names``), which keys their error-feedback memory, coordinate sets, step counts and tags.
@@ -311,6 +312,8 @@ class QSGDMaxNorm(MaxNormCompressor):
       ``carrier.word_bits(W)`` bits (8 bits per element for 4 bits at W = 2) plus ``W`` slots per scale group.
     - ``"exact"``: this step's ``M``, from a MAX round before the payload (in the stock optimizer, blocking,
       in ``synchronize()``, batched over every gradient); unbiased every step.
+
+    ``warmup_steps`` and ``min_compress_numel`` (gradients sent uncompressed): see ``MaxNormCompressor``.
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
