@@ -97,12 +97,11 @@ class _AheadContext:
     traffic: Traffic  # the carrier, the uncompressed size, the coding time
 
 
-def _flat_float(tensor: torch.Tensor) -> torch.Tensor:
+def _check_gradient(tensor: torch.Tensor) -> None:
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise TypeError("hvdcomp compressors need dense gradients; sparse gradients are not supported")
     if not tensor.dtype.is_floating_point:
         raise TypeError(f"hvdcomp compressors quantize floating-point gradients, got {tensor.dtype}")
-    return tensor.detach().reshape(-1).float()
 
 
 class MaxNormCompressor(Compressor):
@@ -172,8 +171,8 @@ class MaxNormCompressor(Compressor):
             self.stats.steps += 1
             self._warming = self._warmup_done < self.warmup_steps
             self._warmup_done += self._warming
-        flat = _flat_float(tensor)
-        if self._warming or flat.numel() < self.min_compress_numel:
+        _check_gradient(tensor)
+        if self._warming or tensor.numel() < self.min_compress_numel:
             return send_uncompressed(tensor, self.stats, self.transport)
         if self._batch is None:
             self._batch = _Batch()
@@ -184,6 +183,7 @@ class MaxNormCompressor(Compressor):
         else:
             key, self._index_in_step = self._index_in_step, self._index_in_step + 1
             order = (1, key, step_of(key, 0))
+        flat = tensor.detach().reshape(-1).float()
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1
         world_size = self.transport.size

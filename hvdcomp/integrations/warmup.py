@@ -6,6 +6,8 @@ generators, coordinate steps and PowerSGD's Qs stay as they were, and the statis
 uncompressed (as many bytes sent as ``uncompressed_bytes``). Compression starts at step ``warmup_steps``
 as it would have started at step 0 of a run without warm-up (step-keyed choices, such as coordinate
 sets, follow the exchange step, which counts warm-up steps).
+
+``send_uncompressed`` also sends the stock compressors' gradients below their ``min_compress_numel``.
 """
 
 from __future__ import annotations
