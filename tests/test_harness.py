@@ -8,6 +8,7 @@ processes that never import this module.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from tests.harness import run_function, run_script
+from tests.harness import ZYGOTE, ZYGOTE_SWITCH, run_function, run_script
 
 INT64_NEAR_2_62 = 2**62 - 1  # rank r adds this - 2 r; the sum, 2**63 - 4, is not a float64 value
 INT32_BIG = 1_000_000_007
@@ -203,3 +204,44 @@ def test_run_script_passes_args_and_returns_output(tmp_path: Path) -> None:
     output = run_script(script, np=2, args=["1.5", "--flag"], timeout=60).stdout
     for rank in range(2):
         assert f"rank {rank} of 2 total 4.5 argv ['--flag']" in output
+
+
+def _parent_command() -> list[str]:
+    """Worker: the command line of this process's parent."""
+    return psutil.Process().parent().cmdline()
+
+
+@pytest.mark.parametrize("launcher", ["gloo", pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_workers_fork_from_the_zygote_unless_switched_off(launcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for parent in run_function(_parent_command, np=2, launcher=launcher):
+        assert str(ZYGOTE) in parent and "serve" in parent, parent
+    monkeypatch.setenv(ZYGOTE_SWITCH, "0")
+    for parent in run_function(_parent_command, np=2, launcher=launcher):
+        assert str(ZYGOTE) not in parent, parent
+
+
+def _killed_then_terminated(marker_dir: str) -> None:
+    """Worker: every rank notes a SIGTERM in ``marker_dir`` and exits 3; then rank 1 dies of SIGKILL and the
+    others wait for horovodrun's SIGTERM."""
+    def on_term(*_: Any) -> None:
+        Path(marker_dir, f"terminated.{hvd.rank()}").write_text("")
+        os._exit(3)
+
+    signal.signal(signal.SIGTERM, on_term)
+    hvd.barrier()
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_signals_and_exit_statuses_reach_horovodrun(zygote: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the zygote as without it: horovodrun sees a worker killed by SIGKILL as 137, its SIGTERM reaches
+    the other worker's handler, and that worker's own exit code comes back."""
+    monkeypatch.setenv(ZYGOTE_SWITCH, zygote)
+    with pytest.raises(AssertionError) as info:
+        run_function(_killed_then_terminated, np=2, kwargs={"marker_dir": str(tmp_path)}, timeout=60)
+    message = str(info.value)
+    assert "Process 1 exit with status code 137." in message and "Process 0 exit with status code 3." in message
+    assert [p.name for p in tmp_path.iterdir()] == ["terminated.0"]
