@@ -73,10 +73,12 @@ class _Worker:
         self.pidfd = os.pidfd_open(pid)
 
     def kill_group(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the worker's process group (the worker itself, should it not lead one yet)."""
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _preload() -> None:
