@@ -966,8 +966,8 @@ def _raise_mid_step_worker(kind):
 @pytest.mark.parametrize("kind", ["flat", "hierarchical", "birder"])
 def test_one_rank_raises_mid_step(kind):
     np, extra = (2, {}) if kind == "flat" else (4, {"hosts": EMULATED_NODES, "init_kwargs": DYNAMIC})
-    # With node-local process sets a rank may wait out Gloo's timeout (30 s by default, twice in a run that took
-    # 89 s of the 90 allowed on a loaded machine) before Horovod's Gloo layer aborts it: 10 s here.
+    # With node-local process sets a rank may wait out Gloo's timeout (30 s by default; a run on a loaded machine
+    # whose ranks timed out so took 89 s of the 90 allowed) before Horovod's Gloo layer aborts it: 10 s here.
     env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"}
     with pytest.raises(AssertionError) as failure:
         run_function(_raise_mid_step_worker, np=np, kwargs={"kind": kind}, timeout=TIMEOUT, env=env, **extra)
