@@ -9,6 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hvdcomp", "hvdcomp.*"]),
+    package_data={"hvdcomp.codec": ["native_kernels.cpp"]},  # built at first use (hvdcomp/codec/native.py)
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "horovod>=0.28.1"],
     extras_require={

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hvdcomp.codec import fused, packing, random
+from hvdcomp.codec import fused, native, packing, random
 from hvdcomp.codec.onebit import (
     binarize,
     bit_lane_words,
@@ -44,6 +44,7 @@ SIZES = [0, 1, 2, 31, 33, 4099, 65536 + 5]  # ragged: empty, one element, within
 @pytest.fixture(autouse=True)
 def _fused_on(monkeypatch):
     monkeypatch.setenv(fused.ENV_SWITCH, "1")
+    monkeypatch.setenv(native.ENV_SWITCH, "0")  # the torch.compile kernels here; tests/test_native.py: the others
     assert fused.enabled(), fused._Mode.failed
 
 

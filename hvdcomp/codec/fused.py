@@ -56,6 +56,15 @@ def eager() -> Iterator[None]:
         _Mode.forced_eager -= 1
 
 
+def fail(error: BaseException, stacklevel: int = 2) -> None:
+    """After a kernel failed to compile or load: every kernel runs eagerly from now on, and ONE ``RuntimeWarning``
+    says why (``stacklevel`` as ``warnings.warn``'s, counted from the caller)."""
+    _Mode.failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    warnings.warn(f"hvdcomp: fused codec kernels unavailable ({_Mode.failed}); running them eagerly "
+                  f"(slower, same results). Set {ENV_SWITCH}=0 to skip compiling.", RuntimeWarning,
+                  stacklevel=stacklevel + 1)
+
+
 def static(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``tensor`` with its sizes (or only its size along ``dim``) marked static for ``torch.compile`` (a new
     graph per distinct size)."""
@@ -104,10 +113,7 @@ class FusedKernel:
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 (bad input raises again below; anything else: fall back)
             result = self.eager_fn(*args)  # the failed call left no trace (see the class docstring)
-            _Mode.failed = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
-            warnings.warn(f"hvdcomp: fused codec kernels unavailable ({_Mode.failed}); running them eagerly "
-                          f"(slower, same results). Set {ENV_SWITCH}=0 to skip compiling.", RuntimeWarning,
-                          stacklevel=2)
+            fail(error)
             return result
         finally:
             config.recompile_limit = limit

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import native
 from .fused import FusedKernel
 from .packing import (
     INT64_WORD_BITS,
@@ -281,8 +282,12 @@ class MaxNormQuantizer:
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
+        layout = self.payload_layout(world_size, word_bits)
+        if agreed is None and not self.multiscale and native.usable(x):
+            return native.encode(x, groups, float(coarse) / self._scales(stats), coarse, layout.lanes_per_word,
+                                 layout.lane_width, rng)
         units = self._encode_units(stats, groups, agreed, x.numel())
-        shifts = self.payload_layout(world_size, word_bits).lane_shifts(x.device)
+        shifts = layout.lane_shifts(x.device)
         return in_lane_blocks(x.numel(), shifts,
                               lambda end, out: _encode_blocks(x[:end], units[:end], coarse, shifts, rng, out),
                               lambda end: _tail_levels(x[end:], units[end:], coarse, rng, end))
@@ -302,6 +307,10 @@ class MaxNormQuantizer:
         layout = self.payload_layout(world_size, word_bits)
         if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
+        if agreed is None and not self.multiscale and native.usable(word_sums, torch.int64):
+            factors = self._scales(stats) / float(self.coarse_levels * world_size)
+            return native.decode(word_sums, groups, factors, layout.lanes_per_word, layout.lane_width,
+                                 layout.offset * world_size)[:numel]
         units = self._decode_units(stats, groups, agreed, numel, world_size, word_sums.numel() * layout.lanes_per_word)
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                              layout.offset * world_size, units)

@@ -1,0 +1,197 @@
+"""Hand-written CPU kernels for the single-resolution max-norm codec: ``native_kernels.cpp``, called through ctypes.
+
+QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and decode (unpack, offset, scale)
+each run as one pass over the bucket, a few thousand values at a time through stack buffers, with the
+per-element scale factor read from per-group factors (no gradient-sized buffer besides the result). They
+compute exactly what the eager reference computes (``hvdcomp.codec.quantize``; ``tests/test_native.py``), and
+where ``torch.compile``'s kernels reach 3 to 5 ns per element on an AVX2-only CPU (Inductor has no vector
+32 x 32 -> 64-bit multiply there: Philox's products take 5 multiplications of 16-bit halves), these take
+about 1.5 to 2 (``benchmarks/codec_costs.py``).
+
+**Build.** At first use, the C++ compiler Inductor would use (``CXX``, else ``g++``, else ``c++``) builds the
+file with ``-O3 -march=native -ffp-contract=off`` (no fused multiply-add: the same float32 roundings as
+eager) into ``HVDCOMP_CACHE_DIR`` (default ``<tmp>/hvdcomp_<user>``), under a name keyed by the source, the
+compiler, the flags and this CPU's features, so a cache shared by several machines never hands one a library
+built for another's instructions. The build takes about a second; concurrent workers each build to a
+temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
+any fused kernel (``hvdcomp.codec.fused.fail``: one warning, eager from then on).
+
+**When.** On CPU tensors, while fused kernels are enabled (``HVDCOMP_FUSED``, ``fused.eager()``), unless
+``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over
+``torch.get_num_threads()`` threads in whole lane blocks (ctypes releases the GIL during the calls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import getpass
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import fused
+from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
+from .random import OUTPUTS_PER_BLOCK
+
+ENV_SWITCH = "HVDCOMP_NATIVE"
+CACHE_ENV = "HVDCOMP_CACHE_DIR"
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Library:
+    handle: ctypes.CDLL | None = None
+    tried = False
+    pool: ThreadPoolExecutor | None = None
+    pool_threads = 0
+
+
+def compiler() -> str:
+    """The C++ compiler: ``CXX``, else ``g++`` or ``c++`` on ``PATH`` (as Inductor picks one)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
+
+
+def _cpu_features() -> str:
+    """This CPU's architecture and feature flags (Linux ``/proc/cpuinfo``; else the platform's description)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
+def library_path(cxx: str) -> Path:
+    """Where the library built by ``cxx`` for this CPU lives (built or not)."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_features().encode()])).hexdigest()[:24]
+    cache = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / f"hvdcomp_{getpass.getuser()}")
+    return cache / f"native_kernels_{key}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    """Compile ``SOURCE`` into ``target`` atomically (a temporary name, then a rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-o", temporary, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _load() -> ctypes.CDLL:
+    cxx = compiler()
+    path = library_path(cxx)
+    if not path.exists():
+        _build(cxx, path)
+    lib = ctypes.CDLL(str(path))
+    lib.hvdcomp_encode.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT,
+                                   _POINTER]
+    lib.hvdcomp_decode.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_uniform.argtypes = [_POINTER, _INT, _INT, _POINTER]
+    lib.hvdcomp_encode.restype = lib.hvdcomp_decode.restype = lib.hvdcomp_uniform.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built at the first call; None if building or loading failed (``fused.fail`` warned)."""
+    if not _Library.tried:
+        _Library.tried = True
+        try:
+            _Library.handle = _load()
+        except Exception as error:  # noqa: BLE001 (no compiler, a failed build, an unloadable file)
+            fused.fail(error, stacklevel=4)
+    return _Library.handle
+
+
+def usable(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernels take ``x``: a contiguous CPU tensor of ``dtype``, fused kernels on, the switch not off,
+    and the library built."""
+    return (x.device.type == "cpu" and x.dtype == dtype and x.is_contiguous() and fused.enabled()
+            and os.environ.get(ENV_SWITCH, "1") != "0" and library() is not None)
+
+
+def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int) -> None:
+    """``run(first, last)`` over ``[0, values)`` (whole blocks of ``per_block``), split over the torch threads."""
+    threads = max(1, min(torch.get_num_threads(), values // MIN_VALUES_PER_THREAD))
+    if threads == 1:
+        run(0, values)
+        return
+    if _Library.pool is None or _Library.pool_threads < threads - 1:
+        _Library.pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="hvdcomp-native")
+        _Library.pool_threads = threads - 1
+    blocks = values // per_block
+    bounds = [blocks * t // threads * per_block for t in range(threads + 1)]
+    pending = [_Library.pool.submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    run(bounds[0], bounds[1])
+    for future in pending:
+        future.result()
+
+
+def _groups(groups: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU."""
+    return groups.cumsum(0).contiguous(), factors.float().contiguous()
+
+
+def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """``random.uniform(numel, rng, first)`` (float32 ``[numel]``) from the kernels' own Philox draws (``usable``
+    decides when; any ``first >= 0``)."""
+    skip = first % OUTPUTS_PER_BLOCK
+    blocks = -(-(skip + numel) // OUTPUTS_PER_BLOCK)
+    draws = torch.empty(blocks * OUTPUTS_PER_BLOCK, dtype=torch.float32)
+    words = rng.to(torch.int64).contiguous()  # alive through the call
+    _Library.handle.hvdcomp_uniform(words.data_ptr(), first - skip, draws.numel(), draws.data_ptr())
+    return draws[skip:skip + numel]
+
+
+def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, lanes: int, width: int,
+           rng: torch.Tensor) -> torch.Tensor:
+    """int64 ``[lane_block_words(numel, lanes)]``: ``quantize``'s encode words of flat float32 ``x`` (``usable``),
+    ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream words."""
+    ends, factors = _groups(groups, factors)
+    rng = rng.to(torch.int64).contiguous()
+    numel = x.numel()
+    out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
+    lib = _Library.handle
+
+    def run(first: int, last: int) -> None:
+        lib.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse, lanes,
+                           width, rng.data_ptr(), first, last, out.data_ptr())
+
+    _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
+    return out
+
+
+def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, lanes: int, width: int,
+           offset: int) -> torch.Tensor:
+    """float32 ``[words * lanes]``: ``(lane - offset) * factors[g]`` per value of the int64 blocked-order
+    ``word_sums`` (whole lane blocks), 0 past the groups; ``factors[g]`` = ``M / (s W)`` of group ``g``."""
+    ends, factors = _groups(groups, factors)
+    if word_sums.numel() % LANE_BLOCK_WORDS:
+        raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
+    word_sums = word_sums.contiguous()
+    means = torch.empty(word_sums.numel() * lanes, dtype=torch.float32)
+    lib = _Library.handle
+
+    def run(first: int, last: int) -> None:
+        lib.hvdcomp_decode(word_sums.data_ptr(), ends.data_ptr(), factors.data_ptr(), ends.numel(), lanes, width,
+                           offset, first, last, means.data_ptr())
+
+    _in_parallel(run, means.numel(), lane_block_values(lanes))
+    return means

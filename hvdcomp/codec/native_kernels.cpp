@@ -1,0 +1,230 @@
+// hvdcomp's hand-written CPU kernels for the single-resolution max-norm codec (hvdcomp/codec/native.py
+// compiles this file at first use, for the machine it runs on, and calls it through ctypes).
+//
+// They compute exactly what the eager reference in hvdcomp/codec/quantize.py and random.py computes:
+// the same float32 operations in the same order (built with -ffp-contract=off), the same Philox4x32-7
+// draws, the same blocked word order (hvdcomp/codec/packing.py). tests/test_native.py checks it bit for bit.
+//
+// Layouts (B = 16 words per lane block, L lanes per word, values in the blocked order):
+//   lane l of word B k + j holds value L B k + B l + j, shifted left by l * width.
+// Ranges passed in are whole lane blocks: [first, last) values with first and last multiples of L B.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockWords = 16;  // packing.LANE_BLOCK_WORDS
+constexpr int64_t kChunk = 4096;     // at most this many values per pass through the stack buffers
+constexpr uint32_t kMultiplier0 = 0xD2511F53u, kMultiplier1 = 0xCD9E8D57u;
+constexpr uint32_t kKeyStep0 = 0x9E3779B9u, kKeyStep1 = 0xBB67AE85u;
+constexpr int kRounds = 7;                    // random.PHILOX_ROUNDS
+constexpr float kUniformUnit = 1.0f / 65536;  // 2**-UNIFORM_BITS
+
+struct Stream {
+  uint32_t key0, key1, step0, step1;  // random.stream_words: key words, then counter words 2 and 3
+};
+
+inline float uniform_of(uint32_t bits16) { return (static_cast<float>(bits16) + 0.5f) * kUniformUnit; }
+
+// Philox4x32-7 of counter block j: the 8 uniforms of elements 8 j .. 8 j + 7 (high halves of words 0..3,
+// then their low halves) into u[0..8).
+inline void draw_block(uint64_t j, const Stream& s, float* u) {
+  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32), c2 = s.step0, c3 = s.step1;
+  uint32_t k0 = s.key0, k1 = s.key1;
+  for (int round = 0; round < kRounds; ++round) {
+    if (round) {
+      k0 += kKeyStep0;
+      k1 += kKeyStep1;
+    }
+    const uint64_t p0 = static_cast<uint64_t>(c0) * kMultiplier0, p1 = static_cast<uint64_t>(c2) * kMultiplier1;
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  const uint32_t words[4] = {c0, c1, c2, c3};
+  for (int r = 0; r < 4; ++r) {
+    u[r] = uniform_of(words[r] >> 16);
+    u[r + 4] = uniform_of(words[r] & 0xFFFFu);
+  }
+}
+
+#if defined(__AVX2__)
+// High and low words of a * m in each of 8 lanes (m: the multiplier in every lane).
+inline void mulhilo8(__m256i a, __m256i m, __m256i* hi, __m256i* lo) {
+  const __m256i even = _mm256_mul_epu32(a, m);                       // 64-bit products of lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // of lanes 1, 3, 5, 7
+  *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
+inline __m256 uniforms8(__m256i bits16) {
+  return _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(bits16), _mm256_set1_ps(0.5f)),
+                       _mm256_set1_ps(kUniformUnit));
+}
+
+// Blocks j .. j + 7 at once (one per lane): their 64 uniforms into u[0..64) in element order.
+inline void draw_8_blocks(uint64_t j, const Stream& s, float* u) {
+  alignas(32) uint32_t low[8], high[8];
+  for (int i = 0; i < 8; ++i) {
+    low[i] = static_cast<uint32_t>(j + i);
+    high[i] = static_cast<uint32_t>((j + i) >> 32);
+  }
+  __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(low));
+  __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(high));
+  __m256i c2 = _mm256_set1_epi32(static_cast<int>(s.step0)), c3 = _mm256_set1_epi32(static_cast<int>(s.step1));
+  uint32_t k0 = s.key0, k1 = s.key1;
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kMultiplier0));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(kMultiplier1));
+  for (int round = 0; round < kRounds; ++round) {
+    if (round) {
+      k0 += kKeyStep0;
+      k1 += kKeyStep1;
+    }
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(c0, m0, &hi0, &lo0);
+    mulhilo8(c2, m1, &hi1, &lo1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c1 = lo1;
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c3 = lo0;
+  }
+  const __m256i low_half = _mm256_set1_epi32(0xFFFF);
+  // row r: draw r of each of the 8 blocks; transposed, row i: the 8 draws of block j + i
+  __m256 r0 = uniforms8(_mm256_srli_epi32(c0, 16)), r1 = uniforms8(_mm256_srli_epi32(c1, 16));
+  __m256 r2 = uniforms8(_mm256_srli_epi32(c2, 16)), r3 = uniforms8(_mm256_srli_epi32(c3, 16));
+  __m256 r4 = uniforms8(_mm256_and_si256(c0, low_half)), r5 = uniforms8(_mm256_and_si256(c1, low_half));
+  __m256 r6 = uniforms8(_mm256_and_si256(c2, low_half)), r7 = uniforms8(_mm256_and_si256(c3, low_half));
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 q0 = _mm256_shuffle_ps(t0, t2, 0x44), q1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 q2 = _mm256_shuffle_ps(t1, t3, 0x44), q3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 q4 = _mm256_shuffle_ps(t4, t6, 0x44), q5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 q6 = _mm256_shuffle_ps(t5, t7, 0x44), q7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(u + 0, _mm256_permute2f128_ps(q0, q4, 0x20));
+  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(q1, q5, 0x20));
+  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(q2, q6, 0x20));
+  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(q3, q7, 0x20));
+  _mm256_storeu_ps(u + 32, _mm256_permute2f128_ps(q0, q4, 0x31));
+  _mm256_storeu_ps(u + 40, _mm256_permute2f128_ps(q1, q5, 0x31));
+  _mm256_storeu_ps(u + 48, _mm256_permute2f128_ps(q2, q6, 0x31));
+  _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(q3, q7, 0x31));
+}
+#endif
+
+// The uniforms of elements first .. first + n - 1 (first and n multiples of 8) into u[0..n).
+void draw(int64_t first, int64_t n, const Stream& s, float* u) {
+  const uint64_t j0 = static_cast<uint64_t>(first / 8);
+  const int64_t blocks = n / 8;
+  int64_t b = 0;
+#if defined(__AVX2__)
+  for (; b + 8 <= blocks; b += 8) draw_8_blocks(j0 + b, s, u + 8 * b);
+#endif
+  for (; b < blocks; ++b) draw_block(j0 + b, s, u + 8 * b);
+}
+
+// factors[0..n): the factor of each value start .. start + n - 1 from per-group factors (group g ends before
+// value ends[g], cumulative), 0 past the last group.
+void fill_factors(int64_t start, int64_t n, const int64_t* ends, const float* group_factors, int64_t groups,
+                  float* factors) {
+  int64_t g = std::upper_bound(ends, ends + groups, start) - ends;
+  int64_t i = 0;
+  for (; i < n && g < groups; ++g) {  // ends[g] > start + i: each group's stop is at least i
+    const int64_t stop = std::min(ends[g] - start, n);
+    std::fill(factors + i, factors + stop, group_factors[g]);
+    i = stop;
+  }
+  std::fill(factors + i, factors + n, 0.0f);
+}
+
+int64_t chunk_values(int64_t lanes) { return std::max<int64_t>(1, kChunk / (kBlockWords * lanes)) * kBlockWords * lanes; }
+
+}  // namespace
+
+extern "C" {
+
+// The uniforms of elements first .. first + n - 1 of the rounding stream (first and n multiples of 8) into u[0..n)
+// (random.uniform).
+void hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, float* u) {
+  const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
+                 static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
+  draw(first, n, s, u);
+}
+
+// Words of values [first, last) (whole lane blocks; values past numel are lane value 0) into out[first / L ..):
+// value i's lane holds sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse, f_i its group's coarse / M and
+// U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager).
+void hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
+                    int64_t coarse, int64_t lanes, int64_t width, const int64_t* stream_words, int64_t first,
+                    int64_t last, int64_t* out) {
+  const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes);
+  const float limit = static_cast<float>(coarse);
+  const int32_t offset = static_cast<int32_t>(coarse);
+  alignas(32) float noise[kChunk + 64], factors[kChunk], padded[kChunk];
+  alignas(32) int32_t values[kChunk];
+  for (int64_t start = first; start < last; start += chunk) {
+    const int64_t n = std::min(chunk, last - start), valid = std::max<int64_t>(0, std::min(n, numel - start));
+    const float* xs = x + start;
+    if (valid < n) {  // the last, partial lane block: read no further than numel
+      std::copy(xs, xs + valid, padded);
+      xs = padded;
+    }
+    hvdcomp_uniform(stream_words, start, n, noise);
+    fill_factors(start, valid, ends, group_factors, groups, factors);
+    for (int64_t i = 0; i < valid; ++i) {
+      float level = std::floor(std::fabs(xs[i]) * factors[i] + noise[i]);
+      level = level < limit ? level : limit;
+      values[i] = static_cast<int32_t>(std::copysign(level, xs[i])) + offset;
+    }
+    std::fill(values + valid, values + n, 0);
+    int64_t* words = out + start / lanes;
+    for (int64_t k = 0; k < n / per_block; ++k) {
+      const int32_t* v = values + k * per_block;
+      int64_t sum[kBlockWords];
+      for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
+      for (int64_t l = 1; l < lanes; ++l)
+        for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
+      std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
+    }
+  }
+}
+
+// Means of values [first, last) (whole lane blocks) from summed words into means[first ..): (lane - offset) f_i,
+// f_i its group's M / (s W), 0 past the last group (quantize._decode_mean_eager).
+void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* group_factors, int64_t groups,
+                    int64_t lanes, int64_t width, int64_t offset, int64_t first, int64_t last, float* means) {
+  const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes), mask = (int64_t{1} << width) - 1;
+  const bool narrow = width < 31;  // lane values and offset fit int32: the conversion vectorizes
+  alignas(32) float factors[kChunk];
+  for (int64_t start = first; start < last; start += chunk) {
+    const int64_t n = std::min(chunk, last - start);
+    fill_factors(start, n, ends, group_factors, groups, factors);
+    const int64_t* words = word_sums + start / lanes;
+    float* out = means + start;
+    for (int64_t k = 0; k < n / per_block; ++k)
+      for (int64_t l = 0; l < lanes; ++l) {
+        const int64_t* w = words + k * kBlockWords;
+        const int64_t i = k * per_block + l * kBlockWords;
+        if (narrow) {
+          for (int64_t j = 0; j < kBlockWords; ++j)
+            out[i + j] = static_cast<float>(static_cast<int32_t>((w[j] >> (l * width)) & mask) -
+                                            static_cast<int32_t>(offset)) * factors[i + j];
+        } else {
+          for (int64_t j = 0; j < kBlockWords; ++j)
+            out[i + j] = static_cast<float>(((w[j] >> (l * width)) & mask) - offset) * factors[i + j];
+        }
+      }
+  }
+}
+
+}  // extern "C"

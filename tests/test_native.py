@@ -1,0 +1,182 @@
+"""The native CPU kernels (``hvdcomp.codec.native``) equal the eager reference bit for bit, on one thread or
+several; they build once per cache (concurrent builders included); without a compiler the codec falls back
+to eager with one warning."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvdcomp.codec import fused, native
+from hvdcomp.codec.quantize import MaxNormQuantizer
+from hvdcomp.codec.random import stream_words, uniform
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [0, 1, 2, 31, 33, 191, 192, 193, 4099, 65536 + 5, 300_007]
+# (bits, world size, word bits): lane widths from 2 to 32 bits, 1 to 31 lanes per word
+LAYOUTS = [((1,), 1, 63), ((2,), 2, 63), ((2,), 8, 63), ((4,), 5, 48), ((8,), 8, 63), ((8,), 3, 20),
+           ((16,), 2, 63), ((16,), 1 << 14, 63)]
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    monkeypatch.setenv(fused.ENV_SWITCH, "1")
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    assert native.library() is not None, fused._Mode.failed
+
+
+def _gradient(numel: int, seed: int) -> torch.Tensor:
+    """Values over many magnitudes, exact zeros and negative zeros included."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) ** 6
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    return x
+
+
+def _groups(quantizer: MaxNormQuantizer, numel: int) -> torch.Tensor:
+    """Ragged tensors, an empty one among them."""
+    first, second = numel // 3, numel // 7
+    return quantizer.scale_groups(numel, [first, 0, second, numel - first - second])
+
+
+def _both(fn, *args):
+    """``fn(*args)`` with the native kernels, and eagerly."""
+    assert native.usable(torch.zeros(1))
+    x_native = fn(*args)
+    with fused.eager():
+        assert not native.usable(torch.zeros(1))
+        x_eager = fn(*args)
+    return x_native, x_eager
+
+
+@pytest.mark.parametrize("bits,world_size,word_bits", LAYOUTS)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_encode_and_decode_equal_eager(bits, world_size, word_bits, threads):
+    quantizer = MaxNormQuantizer(bits)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for numel in SIZES:
+            x = _gradient(numel, numel)
+            groups = _groups(quantizer, numel)
+            stats = quantizer.local_stats(x, groups)
+            if stats.numel() > 2:
+                stats[0] *= 0.25  # an agreed scale below the group's maximum: clipped levels
+                stats[1] = 0.0  # an all-zero group: the scale floor
+            rng = stream_words(5 + numel, 0, "rounding", 1, numel)
+            words, want = _both(quantizer.encode, x, stats, groups, None, world_size, word_bits, rng)
+            assert torch.equal(words, want), (numel, bits, world_size)
+            arbitrary = torch.randint(-(1 << 62), 1 << 62, want.shape, generator=torch.Generator().manual_seed(numel))
+            for sums in (want * world_size, arbitrary):  # every worker sent these words; any words
+                means, want_means = _both(quantizer.decode, sums, stats, groups, None, numel, world_size,
+                                                  word_bits)
+                assert means.shape == (numel,) and torch.equal(means, want_means), (numel, bits, world_size)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_threads_split_whole_lane_blocks():
+    quantizer = MaxNormQuantizer((4,))
+    numel = 5 * native.MIN_VALUES_PER_THREAD + 123  # several threads' worth
+    x, groups = _gradient(numel, 0), _groups(quantizer, numel)
+    stats, rng = quantizer.local_stats(x, groups), stream_words(1, 0, "rounding", 0, "t")
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            words = quantizer.encode(x, stats, groups, None, 4, 63, rng)
+            results.append((words, quantizer.decode(words * 4, stats, groups, None, numel, 4)))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for result in results[1:] for a, b in zip(result, results[0]))
+
+
+@pytest.mark.parametrize("first", [0, 3, 8, 61, 1 << 20])
+@pytest.mark.parametrize("numel", [1, 7, 64, 65, 1000])
+def test_draws_equal_the_streams(first, numel):
+    for step in (0, 1, (1 << 32) + 5):  # both counter words
+        rng = stream_words(step, 7, "rounding", 3, "key")
+        assert torch.equal(native.uniform(numel, rng, first), uniform(numel, rng, first))
+
+
+def test_multi_scale_and_other_dtypes_take_the_other_kernels(monkeypatch):
+    assert not native.usable(torch.zeros(4, dtype=torch.float16))
+    assert not native.usable(torch.zeros(4, 2).t())
+    assert native.usable(torch.zeros(4)) and native.usable(torch.zeros(4, dtype=torch.int64), torch.int64)
+    quantizer = MaxNormQuantizer((2, 6))
+    x = _gradient(1000, 1)
+    groups = quantizer.scale_groups(1000)
+    stats = quantizer.local_stats(x, groups)
+    agreed = quantizer.agreed_scales(quantizer.agreement_words(x, stats, groups, 1), 1000, 1)
+    rng = stream_words(0, 0, "rounding", 0, "m")
+    monkeypatch.setattr(native, "encode", None)  # calling it would raise
+    words, want = _both(quantizer.encode, x, stats, groups, agreed, 1, 63, rng)
+    assert torch.equal(words, want)
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert fused.enabled() and not native.usable(torch.zeros(4))
+
+
+def _run(script: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+BUILD_SCRIPT = """
+    import torch
+    from hvdcomp.codec import native
+    assert native.usable(torch.zeros(1)), "not built"
+    print("LIBRARY", native.library_path(native.compiler()))
+"""
+
+
+def test_built_once_per_cache_even_by_concurrent_workers(tmp_path):
+    env = {native.CACHE_ENV: str(tmp_path), fused.ENV_SWITCH: "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(BUILD_SCRIPT)], env=dict(os.environ, **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(3)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
+    paths = {line.split()[1] for out, _ in outputs for line in out.splitlines() if line.startswith("LIBRARY")}
+    assert len(paths) == 1 and [p.name for p in tmp_path.iterdir()] == [Path(paths.pop()).name]
+    built = next(tmp_path.iterdir()).stat().st_mtime_ns
+    again = _run(BUILD_SCRIPT, **env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert next(tmp_path.iterdir()).stat().st_mtime_ns == built  # reused, not rebuilt
+
+
+FALLBACK_SCRIPT = """
+    import warnings
+    import torch
+    from hvdcomp.codec import fused, native
+    from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
+    from hvdcomp.codec.quantize import MaxNormQuantizer
+
+    grads = [torch.randn(5000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    codecs = [MaxNormCodec(MaxNormQuantizer((4,))) for _ in grads]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]
+    with fused.eager():
+        want = [simulate_max_norm(codecs, grads, step=s) for s in range(2)]
+    ours = [str(w.message) for w in caught if "fused codec kernels" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert native.library() is None and not fused.enabled()
+    assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+    print("FALLBACK-OK", ours[0])
+"""
+
+
+def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
+    done = _run(FALLBACK_SCRIPT, CXX=str(tmp_path / "no-such-c++"), **{native.CACHE_ENV: str(tmp_path / "cache"),
+                                                                       fused.ENV_SWITCH: "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FALLBACK-OK" in done.stdout and "no-such-c++" in done.stdout
+
