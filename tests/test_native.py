@@ -14,6 +14,9 @@ import torch
 from hvdcomp.codec import fused, native
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
+from hvdcomp.codec.recycle import ResultBuffers
+from hvdcomp.exchange import AheadMaxNorm, MaxNormCodec
+from hvdcomp.exchange.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [0, 1, 2, 31, 33, 191, 192, 193, 4099, 65536 + 5, 300_007]
@@ -180,3 +183,42 @@ def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FALLBACK-OK" in done.stdout and "no-such-c++" in done.stdout
 
+
+
+def test_result_buffers_are_reused_only_once_nothing_refers_to_them():
+    buffers = ResultBuffers()
+    first = buffers.take("k", 10, torch.float32, torch.device("cpu"))
+    pointer = first.data_ptr()
+    del first
+    assert buffers.take("k", 10, torch.float32, torch.device("cpu")).data_ptr() == pointer
+    held = buffers.take("k", 10, torch.float32, torch.device("cpu"))[:4].view(2, 2)  # a view, as p.grad is
+    assert buffers.take("k", 10, torch.float32, torch.device("cpu")).data_ptr() != held.data_ptr()
+    array = buffers.take("k", 10, torch.float32, torch.device("cpu")).numpy()
+    assert buffers.take("k", 10, torch.float32, torch.device("cpu")).data_ptr() != array.ctypes.data
+    assert buffers.take("k", 12, torch.float32, torch.device("cpu")).numel() == 12
+    assert buffers.take("other", 12, torch.float32, torch.device("cpu")).data_ptr() != pointer
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_held_result_is_never_rewritten(ahead):
+    """A mean the caller still holds keeps its values through later exchanges; once dropped, its memory decodes
+    the next one (no new gradient-sized buffer per step)."""
+    codecs = [MaxNormCodec(MaxNormQuantizer((4,))) for _ in range(2)]
+    if ahead:
+        codecs = [AheadMaxNorm(codec) for codec in codecs]
+    for rank, codec in enumerate(codecs):
+        codec.bind_rank(rank)
+    grads = [_gradient(5000, rank) for rank in range(2)]
+
+    def exchange(step):
+        return simulate([codec.exchange(g, [3000, 2000], "bucket", step, 2) for codec, g in zip(codecs, grads)])
+
+    exchange(0)  # with ahead: agrees the scale
+    held = [mean.view(50, 100) for mean in exchange(1)]  # as p.grad views of the means
+    kept = [mean.clone() for mean in held]
+    later = exchange(2)
+    assert all(torch.equal(h, k) for h, k in zip(held, kept))
+    assert all(m.data_ptr() != h.data_ptr() for m, h in zip(later, held))
+    pointers = [m.data_ptr() for m in later]
+    del held, later
+    assert [m.data_ptr() for m in exchange(3)] == pointers

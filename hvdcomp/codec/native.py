@@ -179,14 +179,20 @@ def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse:
 
 
 def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, lanes: int, width: int,
-           offset: int) -> torch.Tensor:
-    """float32 ``[words * lanes]``: ``(lane - offset) * factors[g]`` per value of the int64 blocked-order
-    ``word_sums`` (whole lane blocks), 0 past the groups; ``factors[g]`` = ``M / (s W)`` of group ``g``."""
+           offset: int, means: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[words * lanes]`` (into ``means`` if given: contiguous, that size): ``(lane - offset) * factors[g]``
+    per value of the int64 blocked-order ``word_sums`` (whole lane blocks), 0 past the groups; ``factors[g]`` =
+    ``M / (s W)`` of group ``g``."""
     ends, factors = _groups(groups, factors)
     if word_sums.numel() % LANE_BLOCK_WORDS:
         raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
     word_sums = word_sums.contiguous()
-    means = torch.empty(word_sums.numel() * lanes, dtype=torch.float32)
+    size = word_sums.numel() * lanes
+    if means is None:
+        means = torch.empty(size, dtype=torch.float32)
+    elif not (means.shape == (size,) and means.dtype == torch.float32 and means.is_contiguous()
+              and means.device.type == "cpu"):
+        raise ValueError(f"decode writes a contiguous float32 [{size}] CPU tensor, not {tuple(means.shape)}")
     lib = _Library.handle
 
     def run(first: int, last: int) -> None:

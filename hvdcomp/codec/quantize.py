@@ -25,7 +25,7 @@ in another, over whole words); the module-level functions below are their eager 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ from .packing import (
     pack_lanes,
 )
 from .random import uniform
+from .recycle import ResultBuffers
 from .validate import check_int
 
 MIN_BITS = 1
@@ -301,16 +302,21 @@ class MaxNormQuantizer:
         numel: int,
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
+        buffers: ResultBuffers | None = None,
+        key: Hashable = None,
     ) -> torch.Tensor:
         """float32 ``[numel]``: the mean over the workers of their dequantized values from the sums of their
-        ``encode`` words (a view of a buffer padded to whole blocks)."""
+        ``encode`` words (a view of a buffer padded to whole blocks; with ``buffers``, where the native kernels run,
+        ``key``'s buffer there, reused once nothing refers to it)."""
         layout = self.payload_layout(world_size, word_bits)
         if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
         if agreed is None and not self.multiscale and native.usable(word_sums, torch.int64):
             factors = self._scales(stats) / float(self.coarse_levels * world_size)
+            size = word_sums.numel() * layout.lanes_per_word
+            means = None if buffers is None else buffers.take(key, size, torch.float32, word_sums.device)
             return native.decode(word_sums, groups, factors, layout.lanes_per_word, layout.lane_width,
-                                 layout.offset * world_size)[:numel]
+                                 layout.offset * world_size, means)[:numel]
         units = self._decode_units(stats, groups, agreed, numel, world_size, word_sums.numel() * layout.lanes_per_word)
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                              layout.offset * world_size, units)

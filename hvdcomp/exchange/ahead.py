@@ -93,7 +93,7 @@ class AheadMaxNorm(ElementwiseCodec):
         excess = memory.clipped(values, local, stats, groups) if finite else None
         rounding = self.lanes.rounding_stream(key, step, flat.device)
         word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, None, world_size, word_bits, rounding)
-        mean = quantizer.decode(word_sums, stats, groups, None, numel, world_size, word_bits)
+        mean = quantizer.decode(word_sums, stats, groups, None, numel, world_size, word_bits, self.lanes.decoded, key)
         reduced = yield Op.MAX, local  # the next exchange's scale
         if not memory.agree(key, numel, world_size, reduced):
             warn_nonfinite(key, step)

@@ -18,6 +18,7 @@ from ..codec.memory import ErrorFeedback
 from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.random import stream_words
+from ..codec.recycle import ResultBuffers
 from ..codec.selection import RandomCoordinateSelector
 from ..codec.sparse import gather, keep_unsent, scatter
 from .bucket import ElementwiseCodec, Segments
@@ -139,6 +140,7 @@ class MaxNormCodec(ElementwiseCodec):
         self.seed = seed
         self.rank: int | None = None
         self._results: dict[Hashable, torch.Tensor] = {}  # with a selector: per key, the mean's buffer
+        self.decoded = ResultBuffers()  # without one: per key, the decode's, reused once nothing refers to it
 
     @property
     def reuses_result(self) -> bool:
@@ -233,7 +235,8 @@ class MaxNormCodec(ElementwiseCodec):
             agreed = quantizer.agreed_scales(counts, values.numel(), world_size)
 
         word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
-        mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits)
+        mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits,
+                                self.decoded if indices is None else None, key)
         if indices is not None:
             mean = scatter(mean, indices, self._result_buffer(key, flat), factor)  # factor: None with error feedback
         if nonfinite:

@@ -207,7 +207,8 @@ def advance(exchange: Exchange, result: torch.Tensor | None) -> Request | StopIt
     try:
         return next(exchange) if result is None else exchange.send(result)
     except StopIteration as done:
-        return done
+        # without its traceback: that would tie the caller's frame, and so the result, into a reference cycle
+        return done.with_traceback(None)
 
 
 def drive_together(exchanges: Sequence[Exchange], transport: Transport, until: Op) -> list[torch.Tensor]:

@@ -43,6 +43,7 @@ import torch
 from ..codec import carrier
 from ..codec.agreed import AgreedScales
 from ..codec.quantize import MaxNormQuantizer
+from ..codec.recycle import ResultBuffers
 
 SCALE_MODES = ("ahead", "exact")
 
@@ -74,6 +75,7 @@ class ScaleAhead:
         self.quantizer = quantizer
         self.memory = AgreedScales()
         self._carriers: dict[Hashable, torch.Tensor] = {}  # the carrier buffer, reused every step
+        self._decoded = ResultBuffers()  # the decode's, reused once nothing refers to it (Horovod's p.grad.set_)
 
     def ready(self, key: Hashable, numel: int, world_size: int) -> bool:
         """Whether ``key`` has a scale agreed for an exchange of ``numel`` elements over ``world_size`` workers."""
@@ -129,7 +131,7 @@ class ScaleAhead:
             mean = torch.full((exchange.numel,), float("nan"), device=reduced.device)
             return mean, averaged, False
         mean = quantizer.decode(word_sums, exchange.stats, exchange.groups, None, exchange.numel, world_size,
-                                carrier.word_bits(world_size))
+                                carrier.word_bits(world_size), self._decoded, exchange.key)
         self.memory.keep_excess(exchange.key, exchange.excess)
         return mean, averaged, True
 
