@@ -2,7 +2,9 @@
 several; they build once per cache (concurrent builders included); without a compiler the codec falls back
 to eager with one warning."""
 
+import ctypes
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -32,6 +34,26 @@ def _native_on(monkeypatch):
     assert native.library() is not None, fused._Mode.failed
 
 
+@pytest.fixture(scope="module")
+def portable_build(tmp_path_factory):
+    """The kernels built for x86-64 without AVX2 (their portable loops, as on other CPUs), or None elsewhere."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    path = tmp_path_factory.mktemp("portable") / "native_kernels.so"
+    native.build(native.compiler(), path, tuple(f for f in native.FLAGS if f != "-march=native") + ("-march=x86-64",))
+    return native.declare(ctypes.CDLL(str(path)))
+
+
+@pytest.fixture(params=["native", "portable"])
+def build(request, monkeypatch, portable_build):
+    """Each test runs with this CPU's build, then (on x86-64) with the portable one."""
+    if request.param == "portable":
+        assert portable_build is not None or platform.machine() not in ("x86_64", "AMD64")
+        if portable_build is not None:
+            monkeypatch.setattr(native._Library, "handle", portable_build)
+    return request.param
+
+
 def _gradient(numel: int, seed: int) -> torch.Tensor:
     """Values over many magnitudes, exact zeros and negative zeros included."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,7 +81,7 @@ def _both(fn, *args):
 
 @pytest.mark.parametrize("bits,world_size,word_bits", LAYOUTS)
 @pytest.mark.parametrize("threads", [1, 3])
-def test_encode_and_decode_equal_eager(bits, world_size, word_bits, threads):
+def test_encode_and_decode_equal_eager(bits, world_size, word_bits, threads, build):
     quantizer = MaxNormQuantizer(bits)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -102,7 +124,7 @@ def test_threads_split_whole_lane_blocks():
 
 @pytest.mark.parametrize("first", [0, 3, 8, 61, 1 << 20])
 @pytest.mark.parametrize("numel", [1, 7, 64, 65, 1000])
-def test_draws_equal_the_streams(first, numel):
+def test_draws_equal_the_streams(first, numel, build):
     for step in (0, 1, (1 << 32) + 5):  # both counter words
         rng = stream_words(step, 7, "rounding", 3, "key")
         assert torch.equal(native.uniform(numel, rng, first), uniform(numel, rng, first))

@@ -79,13 +79,13 @@ def library_path(cxx: str) -> Path:
     return cache / f"native_kernels_{key}.so"
 
 
-def _build(cxx: str, target: Path) -> None:
+def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile ``SOURCE`` into ``target`` atomically (a temporary name, then a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", temporary, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([cxx, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
@@ -99,8 +99,12 @@ def _load() -> ctypes.CDLL:
     cxx = compiler()
     path = library_path(cxx)
     if not path.exists():
-        _build(cxx, path)
-    lib = ctypes.CDLL(str(path))
+        build(cxx, path)
+    return declare(ctypes.CDLL(str(path)))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of ``SOURCE``) with its functions' argument types declared."""
     lib.hvdcomp_encode.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT,
                                    _POINTER]
     lib.hvdcomp_decode.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER]

@@ -147,6 +147,27 @@ void fill_factors(int64_t start, int64_t n, const int64_t* ends, const float* gr
   std::fill(factors + i, factors + n, 0.0f);
 }
 
+#if defined(__AVX2__)
+// The 16 values of one lane of a block of 16 words (lane values and offset below 2**31): (lane - offset) * factor.
+inline void decode_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t offset, const float* factors,
+                             float* out) {
+  const __m128i count = _mm_cvtsi64_si128(shift);
+  const __m256i masks = _mm256_set1_epi64x(mask), offsets = _mm256_set1_epi32(static_cast<int>(offset));
+  const __m256i low_words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // the low 32 bits of each int64 lane first
+  for (int j = 0; j < kBlockWords; j += 8) {
+    // a logical shift: the masked bits lie below bit 63 - shift, where it equals the reference's arithmetic one
+    const __m256i a = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j)),
+                                                        count), masks);
+    const __m256i b = _mm256_and_si256(
+        _mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j + 4)), count), masks);
+    const __m256i lanes = _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(a, low_words),
+                                                    _mm256_permutevar8x32_epi32(b, low_words), 0x20);
+    const __m256 values = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes, offsets));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(values, _mm256_loadu_ps(factors + j)));
+  }
+}
+#endif
+
 int64_t chunk_values(int64_t lanes) { return std::max<int64_t>(1, kChunk / (kBlockWords * lanes)) * kBlockWords * lanes; }
 
 }  // namespace
@@ -216,9 +237,13 @@ void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* 
         const int64_t* w = words + k * kBlockWords;
         const int64_t i = k * per_block + l * kBlockWords;
         if (narrow) {
+#if defined(__AVX2__)
+          decode_lane_avx2(w, l * width, mask, offset, factors + i, out + i);
+#else
           for (int64_t j = 0; j < kBlockWords; ++j)
             out[i + j] = static_cast<float>(static_cast<int32_t>((w[j] >> (l * width)) & mask) -
                                             static_cast<int32_t>(offset)) * factors[i + j];
+#endif
         } else {
           for (int64_t j = 0; j < kBlockWords; ++j)
             out[i + j] = static_cast<float>(((w[j] >> (l * width)) & mask) - offset) * factors[i + j];
