@@ -11,9 +11,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import test_fused
 import torch
 
 from hvdcomp.codec import fused, native
+from hvdcomp.codec.onebit import draw_lane_words, mean_from_lane_sums
+from hvdcomp.codec.packing import LaneLayout, pack_lane_blocks
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
 from hvdcomp.codec.recycle import ResultBuffers
@@ -180,7 +183,10 @@ def test_built_once_per_cache_even_by_concurrent_workers(tmp_path):
 FALLBACK_SCRIPT = """
     import warnings
     import torch
-    from hvdcomp.codec import fused, native
+    import test_fused
+from hvdcomp.codec import fused, native
+from hvdcomp.codec.onebit import draw_lane_words, mean_from_lane_sums
+from hvdcomp.codec.packing import LaneLayout, pack_lane_blocks
     from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
     from hvdcomp.codec.quantize import MaxNormQuantizer
 
@@ -244,3 +250,38 @@ def test_a_held_result_is_never_rewritten(ahead):
     pointers = [m.data_ptr() for m in later]
     del held, later
     assert [m.data_ptr() for m in exchange(3)] == pointers
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 64, 1 << 20])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_birder_draw_and_mean_equal_eager(world_size, threads, build):
+    layout = LaneLayout(span=1, world_size=world_size)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for numel in SIZES:
+            gen = torch.Generator().manual_seed(numel)
+            b = torch.rand(numel, generator=gen)
+            b[::5] = 0.0  # where b == 0 the draw is a fair coin
+            m = (torch.rand(numel, generator=gen) * 2 - 1) * b
+            rng = stream_words(numel, 4, "birder", 1, "draw")
+            for first in (0, 8, 64 * 1001):
+                words, want = _both(draw_lane_words, m, b, rng, layout, first)
+                assert torch.equal(words, want), (numel, world_size, first)
+            sums = torch.randint(0, world_size + 1, (words.numel() * layout.lanes_per_word,), generator=gen)
+            sums = pack_lane_blocks(sums, layout.lane_shifts()) if sums.numel() else words
+            out = torch.full((sums.numel() * layout.lanes_per_word + 5,), 7.0)
+            means, want_means = _both(mean_from_lane_sums, sums, layout, numel, out.clone())
+            assert torch.equal(means, want_means), (numel, world_size)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])
+def test_birder_steps_equal_eager(world_size, local_size, scope, monkeypatch):
+    calls = []
+    for name in ("draw_bit_words", "counts_mean"):
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
+    test_fused.test_birder_steps_fused_equal_eager(world_size, local_size, scope)
+    assert scope == "hierarchical" or {"draw_bit_words", "counts_mean"} <= set(calls)

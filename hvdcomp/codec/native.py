@@ -109,7 +109,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                    _POINTER]
     lib.hvdcomp_decode.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER]
     lib.hvdcomp_uniform.argtypes = [_POINTER, _INT, _INT, _POINTER]
-    lib.hvdcomp_encode.restype = lib.hvdcomp_decode.restype = lib.hvdcomp_uniform.restype = None
+    lib.hvdcomp_draw_bits.argtypes = [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_counts_mean.argtypes = [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER]
+    for function in (lib.hvdcomp_encode, lib.hvdcomp_decode, lib.hvdcomp_uniform, lib.hvdcomp_draw_bits,
+                     lib.hvdcomp_counts_mean):
+        function.restype = None
     return lib
 
 
@@ -205,3 +209,38 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
 
     _in_parallel(run, means.numel(), lane_block_values(lanes))
     return means
+
+
+def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: int, width: int,
+                   first: int) -> torch.Tensor:
+    """int64 ``[lane_block_words(n, lanes)]``: ``onebit.draw_lane_words`` of flat float32 ``m``, ``b`` (``usable``;
+    ``first``, the draw's first uniform, a multiple of 8)."""
+    if first % OUTPUTS_PER_BLOCK:
+        raise ValueError(f"the draw must start at a whole Philox block, not at uniform {first}")
+    rng = rng.to(torch.int64).contiguous()
+    numel = m.numel()
+    out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
+    lib = _Library.handle
+
+    def run(lo: int, hi: int) -> None:
+        lib.hvdcomp_draw_bits(m.data_ptr(), b.data_ptr(), numel, lanes, width, rng.data_ptr(), first, lo, hi,
+                              out.data_ptr())
+
+    _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
+    return out
+
+
+def counts_mean(word_sums: torch.Tensor, lanes: int, width: int, group: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (contiguous float32 ``[words * lanes]``, CPU) <- ``(2 count - group) / group`` for every lane of the
+    int64 blocked-order ``word_sums`` (whole lane blocks) of +1 counts; returns ``out``."""
+    word_sums = word_sums.contiguous()
+    if not (out.shape == (word_sums.numel() * lanes,) and out.dtype == torch.float32 and out.is_contiguous()
+            and out.device.type == "cpu"):
+        raise ValueError(f"counts_mean writes a contiguous float32 [{word_sums.numel() * lanes}] CPU tensor")
+    lib = _Library.handle
+
+    def run(lo: int, hi: int) -> None:
+        lib.hvdcomp_counts_mean(word_sums.data_ptr(), lanes, width, group, lo, hi, out.data_ptr())
+
+    _in_parallel(run, out.numel(), lane_block_values(lanes))
+    return out

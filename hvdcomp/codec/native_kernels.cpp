@@ -148,22 +148,38 @@ void fill_factors(int64_t start, int64_t n, const int64_t* ends, const float* gr
 }
 
 #if defined(__AVX2__)
+// Lane values (below 2**31) of 8 consecutive words as int32: (word >> shift) & mask. A logical shift: the masked
+// bits lie below bit 63 - shift, where it equals the reference's arithmetic one.
+inline __m256i lanes_of_8_words(const int64_t* words, __m128i shift, __m256i masks) {
+  const __m256i low_words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // the low 32 bits of each int64 lane first
+  const __m256i a = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)),
+                                                      shift), masks);
+  const __m256i b = _mm256_and_si256(
+      _mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 4)), shift), masks);
+  return _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(a, low_words),
+                                   _mm256_permutevar8x32_epi32(b, low_words), 0x20);
+}
+
 // The 16 values of one lane of a block of 16 words (lane values and offset below 2**31): (lane - offset) * factor.
 inline void decode_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t offset, const float* factors,
                              float* out) {
   const __m128i count = _mm_cvtsi64_si128(shift);
   const __m256i masks = _mm256_set1_epi64x(mask), offsets = _mm256_set1_epi32(static_cast<int>(offset));
-  const __m256i low_words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // the low 32 bits of each int64 lane first
   for (int j = 0; j < kBlockWords; j += 8) {
-    // a logical shift: the masked bits lie below bit 63 - shift, where it equals the reference's arithmetic one
-    const __m256i a = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j)),
-                                                        count), masks);
-    const __m256i b = _mm256_and_si256(
-        _mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j + 4)), count), masks);
-    const __m256i lanes = _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(a, low_words),
-                                                    _mm256_permutevar8x32_epi32(b, low_words), 0x20);
-    const __m256 values = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes, offsets));
+    const __m256 values = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes_of_8_words(words + j, count, masks), offsets));
     _mm256_storeu_ps(out + j, _mm256_mul_ps(values, _mm256_loadu_ps(factors + j)));
+  }
+}
+
+// The 16 means of one lane of a block of 16 words of +1 counts over `group` workers: (2 count - group) / group.
+inline void counts_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t group, float* out) {
+  const __m128i count = _mm_cvtsi64_si128(shift);
+  const __m256i masks = _mm256_set1_epi64x(mask), groups = _mm256_set1_epi32(static_cast<int>(group));
+  const __m256 divisor = _mm256_set1_ps(static_cast<float>(group));
+  for (int j = 0; j < kBlockWords; j += 8) {
+    const __m256i counts = lanes_of_8_words(words + j, count, masks);
+    const __m256i signed_sums = _mm256_sub_epi32(_mm256_add_epi32(counts, counts), groups);
+    _mm256_storeu_ps(out + j, _mm256_div_ps(_mm256_cvtepi32_ps(signed_sums), divisor));
   }
 }
 #endif
@@ -250,6 +266,57 @@ void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* 
         }
       }
   }
+}
+
+// Birder's draw (onebit._draw_lane_blocks_eager and its tail): for values [first, last) (whole lane blocks), value i
+// is the bit (v b_i < m_i) | (b_i == 0 & v < 0), v = 2 U - 1 for U the stream's uniform draw_first + i (0 past
+// numel), packed into out[first / L ..].
+void hvdcomp_draw_bits(const float* m, const float* b, int64_t numel, int64_t lanes, int64_t width,
+                       const int64_t* stream_words, int64_t draw_first, int64_t first, int64_t last, int64_t* out) {
+  const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes);
+  alignas(32) float noise[kChunk + 64];
+  alignas(32) int32_t bits[kChunk];
+  for (int64_t start = first; start < last; start += chunk) {
+    const int64_t n = std::min(chunk, last - start), valid = std::max<int64_t>(0, std::min(n, numel - start));
+    hvdcomp_uniform(stream_words, draw_first + start, n, noise);
+    const float* ms = m + start;
+    const float* bs = b + start;
+    for (int64_t i = 0; i < valid; ++i) {
+      const float v = noise[i] * 2.0f - 1.0f;
+      bits[i] = (v * bs[i] < ms[i]) | ((bs[i] == 0.0f) & (v < 0.0f));
+    }
+    std::fill(bits + valid, bits + n, 0);
+    int64_t* words = out + start / lanes;
+    for (int64_t k = 0; k < n / per_block; ++k) {
+      const int32_t* v = bits + k * per_block;
+      int64_t sum[kBlockWords];
+      for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
+      for (int64_t l = 1; l < lanes; ++l)
+        for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
+      std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
+    }
+  }
+}
+
+// Means of values [first, last) (whole lane blocks) from summed words of +1 counts over `group` workers into
+// means[first ..]: (2 count - group) / group (onebit._mean_from_words_eager).
+void hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t width, int64_t group, int64_t first,
+                         int64_t last, float* means) {
+  const int64_t per_block = kBlockWords * lanes, mask = (int64_t{1} << width) - 1;
+  const float divisor = static_cast<float>(group);
+  for (int64_t k = first / per_block; k < last / per_block; ++k)
+    for (int64_t l = 0; l < lanes; ++l) {
+      const int64_t* w = word_sums + k * kBlockWords;
+      float* out = means + k * per_block + l * kBlockWords;
+#if defined(__AVX2__)
+      if (width < 31) {
+        counts_lane_avx2(w, l * width, mask, group, out);
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < kBlockWords; ++j)
+        out[j] = static_cast<float>(2 * ((w[j] >> (l * width)) & mask) - group) / divisor;
+    }
 }
 
 }  // extern "C"

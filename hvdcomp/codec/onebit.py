@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .fused import FusedKernel
 from .packing import (
     LaneLayout,
@@ -30,7 +31,7 @@ from .packing import (
     map_lane_blocks,
     pack_lane_blocks,
 )
-from .random import uniform
+from .random import OUTPUTS_PER_BLOCK, uniform
 
 
 def _update_moments_eager(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: float) -> None:
@@ -151,6 +152,8 @@ def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout:
     ``first ...`` of a larger draw, the same bits): the whole blocks in one fused pass (no bit or
     probability buffer), the last, partial one apart."""
     _check_bit_layout(layout, "draw_lane_words")
+    if native.usable(m) and native.usable(b) and first % OUTPUTS_PER_BLOCK == 0:
+        return native.draw_bit_words(m, b, rng, layout.lanes_per_word, layout.lane_width, first)
     shifts = layout.lane_shifts(m.device)
     return in_lane_blocks(m.numel(), shifts,
                           lambda end, out: _draw_lane_blocks(m[:end], b[:end], rng, shifts, first, out),
@@ -195,6 +198,9 @@ def mean_from_lane_sums(word_sums: torch.Tensor, layout: LaneLayout, numel: int,
     elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() < decoded:
         raise ValueError(f"out must be 1-D float32 of at least {decoded} elements, got {out.dtype} "
                          f"{tuple(out.shape)}")
+    if native.usable(word_sums, torch.int64) and native.usable(out):
+        native.counts_mean(word_sums, lanes, layout.lane_width, layout.world_size, out[:decoded])
+        return out[:numel]
     shifts = layout.lane_shifts(word_sums.device)
     in_word_blocks(word_sums.numel(), lanes, lambda words, elements: _mean_from_words(
         word_sums[words], shifts, layout.lane_mask, layout.world_size, out[elements]))
