@@ -183,10 +183,7 @@ def test_built_once_per_cache_even_by_concurrent_workers(tmp_path):
 FALLBACK_SCRIPT = """
     import warnings
     import torch
-    import test_fused
-from hvdcomp.codec import fused, native
-from hvdcomp.codec.onebit import draw_lane_words, mean_from_lane_sums
-from hvdcomp.codec.packing import LaneLayout, pack_lane_blocks
+    from hvdcomp.codec import fused, native
     from hvdcomp.exchange.elementwise import MaxNormCodec, simulate_max_norm
     from hvdcomp.codec.quantize import MaxNormQuantizer
 
