@@ -282,3 +282,21 @@ def test_birder_steps_equal_eager(world_size, local_size, scope, monkeypatch):
         monkeypatch.setattr(native, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
     test_fused.test_birder_steps_fused_equal_eager(world_size, local_size, scope)
     assert scope == "hierarchical" or {"draw_bit_words", "counts_mean"} <= set(calls)
+
+
+def test_encode_words_reuse_their_buffer_once_released():
+    quantizer, buffers = MaxNormQuantizer((8,)), ResultBuffers()
+    x = _gradient(70000, 3)
+    groups = quantizer.scale_groups(x.numel())
+    stats = quantizer.local_stats(x, groups)
+
+    def encode(step):
+        return quantizer.encode(x, stats, groups, None, 2, 63, stream_words(step, 0, "r", 0, "k"), buffers, "k")
+
+    held = encode(0)
+    kept = held.clone()
+    later = encode(1)
+    assert torch.equal(held, kept) and later.data_ptr() != held.data_ptr() and not torch.equal(later, held)
+    pointer = later.data_ptr()
+    del later
+    assert encode(2).data_ptr() == pointer

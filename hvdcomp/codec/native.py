@@ -168,14 +168,25 @@ def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
     return draws[skip:skip + numel]
 
 
+def _output(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out``, checked to be a contiguous CPU ``[size]`` tensor of ``dtype``, or a new one if None."""
+    if out is None:
+        return torch.empty(size, dtype=dtype)
+    if not (out.shape == (size,) and out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu"):
+        raise ValueError(f"the kernel writes a contiguous {dtype} [{size}] CPU tensor, not {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    return out
+
+
 def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, lanes: int, width: int,
-           rng: torch.Tensor) -> torch.Tensor:
-    """int64 ``[lane_block_words(numel, lanes)]``: ``quantize``'s encode words of flat float32 ``x`` (``usable``),
-    ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream words."""
+           rng: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given): ``quantize``'s encode words of flat float32
+    ``x`` (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream
+    words."""
     ends, factors = _groups(groups, factors)
     rng = rng.to(torch.int64).contiguous()
     numel = x.numel()
-    out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
+    out = _output(out, lane_block_words(numel, lanes), torch.int64)
     lib = _Library.handle
 
     def run(first: int, last: int) -> None:
@@ -195,12 +206,7 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     if word_sums.numel() % LANE_BLOCK_WORDS:
         raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
     word_sums = word_sums.contiguous()
-    size = word_sums.numel() * lanes
-    if means is None:
-        means = torch.empty(size, dtype=torch.float32)
-    elif not (means.shape == (size,) and means.dtype == torch.float32 and means.is_contiguous()
-              and means.device.type == "cpu"):
-        raise ValueError(f"decode writes a contiguous float32 [{size}] CPU tensor, not {tuple(means.shape)}")
+    means = _output(means, word_sums.numel() * lanes, torch.float32)
     lib = _Library.handle
 
     def run(first: int, last: int) -> None:
@@ -234,9 +240,7 @@ def counts_mean(word_sums: torch.Tensor, lanes: int, width: int, group: int, out
     """``out`` (contiguous float32 ``[words * lanes]``, CPU) <- ``(2 count - group) / group`` for every lane of the
     int64 blocked-order ``word_sums`` (whole lane blocks) of +1 counts; returns ``out``."""
     word_sums = word_sums.contiguous()
-    if not (out.shape == (word_sums.numel() * lanes,) and out.dtype == torch.float32 and out.is_contiguous()
-            and out.device.type == "cpu"):
-        raise ValueError(f"counts_mean writes a contiguous float32 [{word_sums.numel() * lanes}] CPU tensor")
+    out = _output(out, word_sums.numel() * lanes, torch.float32)
     lib = _Library.handle
 
     def run(lo: int, hi: int) -> None:

@@ -92,8 +92,9 @@ class AheadMaxNorm(ElementwiseCodec):
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         excess = memory.clipped(values, local, stats, groups) if finite else None
         rounding = self.lanes.rounding_stream(key, step, flat.device)
-        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, None, world_size, word_bits, rounding)
-        mean = quantizer.decode(word_sums, stats, groups, None, numel, world_size, word_bits, self.lanes.decoded, key)
+        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, None, world_size, word_bits, rounding,
+                                                        self.lanes.buffers, key)
+        mean = quantizer.decode(word_sums, stats, groups, None, numel, world_size, word_bits, self.lanes.buffers, key)
         reduced = yield Op.MAX, local  # the next exchange's scale
         if not memory.agree(key, numel, world_size, reduced):
             warn_nonfinite(key, step)
