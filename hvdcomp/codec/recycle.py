@@ -34,12 +34,13 @@ class ResultBuffers:
 
     def take(self, key: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A ``[numel]`` tensor of ``dtype`` on ``device`` (uninitialized): ``key``'s previous one if it matches and
-        nothing else refers to it, else a new one (kept for the next call)."""
+        nothing else refers to it, else a new one (kept for the next call). Always a view: a caller holding it
+        holds a reference that ``take`` counts (the kept tensor object itself would not count)."""
         buffer = self._buffers.get(key)
         if (buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device
                 or _references(buffer) > _ALONE):
             buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer
+        return buffer.view(numel)
 
     def __getstate__(self) -> dict:
         return {}  # buffers are scratch: a copied codec allocates its own
