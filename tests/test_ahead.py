@@ -1,5 +1,8 @@
 """``AheadMaxNorm``: the bucket exchange of QSGD with its scale agreed one exchange ahead, W workers in one process."""
 
+import types
+import warnings
+
 import pytest
 import torch
 
@@ -179,3 +182,38 @@ def test_the_configuration_names_the_scale_mode_and_the_lanes():
     lanes = MaxNormCodec(MaxNormQuantizer((8,)))
     assert AheadMaxNorm(lanes).config() == (*lanes.config(), "ahead")
     assert AheadMaxNorm(lanes).config() != AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)))).config()
+
+
+@pytest.mark.parametrize("chunk_size,rows", [(None, True), (64, False)])
+def test_statistics_ride_in_the_payload_over_the_bound_transport(chunk_size, rows):
+    """Bound to a transport of W workers, the statistics go in the payload's rows (one collective per exchange;
+    with many scale groups the rows would weigh too much, and the MAX stays): the same means, scales and excess,
+    bit for bit, as with the separate MAX, NaN/Inf steps included."""
+    world_size, sizes = 3, [30000, 20000]
+    riding = [AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,), chunk_size))) for _ in range(world_size)]
+    for rank, codec in enumerate(riding):
+        codec.bind_transport(types.SimpleNamespace(rank=rank, size=world_size))
+    separate = _workers(world_size, chunk_size=chunk_size)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        grads = [torch.randn(sum(sizes), generator=gen) * (1 + step % 2) for _ in range(world_size)]
+        if step == 2:
+            grads[1][7] = float("nan")
+        results, ops = [], []
+        for codecs in (riding, separate):
+            exchanges = [codec.exchange(g.clone(), sizes, "b", step, world_size) for codec, g in zip(codecs, grads)]
+            ops.append([])
+            exchanges[0] = relay(exchanges[0], lambda op, tensor, seen=ops[-1]: (seen.append(op), (op, tensor))[1])
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                results.append(simulate(exchanges))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        for a, b in zip(riding, separate):
+            state, want = a.memory.state_dict(), b.memory.state_dict()
+            assert state["scales"].keys() == want["scales"].keys()
+            assert all(torch.equal(state["scales"][k][2], want["scales"][k][2]) for k in want["scales"])
+            assert all(torch.equal(x, y) for k in want["excess"] for x, y in zip(state["excess"][k], want["excess"][k]))
+        exact = step in (0, 3)  # the first exchange, and the one after a NaN step
+        assert ops[1] == ([Op.MAX, Op.PAYLOAD] if exact else [Op.PAYLOAD, Op.MAX])
+        assert ops[0] == ops[1] if exact or not rows else ops[0] == [Op.PAYLOAD]

@@ -132,6 +132,43 @@ def test_uncompressed_matches_horovod_and_every_scheme_trains_np2():
     assert ratios["powersgd1"] > ratios["powersgd2"] > 2
 
 
+def _statistics_rows_worker(steps):
+    """The same training twice, QSGD 8 on a 33K-parameter layer: its statistics in the payload's rows, then (a
+    share no payload meets) in a MAX of their own. Returns each run's parameters and its rows per exchange."""
+    import horovod.torch as hvd
+
+    import hvdcomp
+
+    out = []
+    for share in (None, 10**18):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(128, 256)
+        optimizer = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 named_parameters=model.named_parameters(),
+                                                 compression=hvdcomp.QSGDMaxNorm(8))
+        codec, rows = optimizer._codec, []
+        if share is not None:
+            codec.stats_share = share
+        choose = codec.stats_rows
+        codec.stats_rows = lambda *args, rows=rows, choose=choose: rows.append(choose(*args)) or rows[-1]
+        for x, y in _batches(hvd.rank(), steps):
+            optimizer.zero_grad()
+            loss = (model(torch.nn.functional.pad(x, (0, 116))) - y).square().mean()
+            loss.backward()
+            optimizer.step()
+        out.append({"params": [p.detach().clone() for p in model.parameters()], "rows": rows})
+    return out
+
+
+def test_statistics_in_the_payload_train_exactly_as_with_a_max_np2():
+    results = run_function(_statistics_rows_worker, np=2, kwargs={"steps": 6})
+    for riding, separate in results:
+        assert riding["rows"] and all(rows > 0 for rows in riding["rows"])
+        assert separate["rows"] and not any(separate["rows"])
+        assert all(torch.equal(a, b) for a, b in zip(riding["params"], separate["params"]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0]["params"], results[1][0]["params"]))
+
+
 def test_two_emulated_nodes_flat_and_hierarchical():
     names = ["none", "qsgd8", "multiscale", "randk", "fp16", "powersgd2"]
     results = run_function(_flat_worker, np=4, hosts=EMULATED_NODES, init_kwargs={"process_sets": "dynamic"},

@@ -274,29 +274,28 @@ class MaxNormQuantizer:
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
         rng: torch.Tensor | None = None,
-        buffers: ResultBuffers | None = None,
-        key: Hashable = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """int64 ``[packing.lane_block_words(numel, L)]`` words of this worker's signed levels (finite ``x`` only)
         in ``payload_layout``'s lanes, in the blocked order (``packing.pack_lane_blocks``). Reduce with SUM.
 
         ``rng``: the int64 ``[4]`` stream words of ``hvdcomp.codec.random.stream_words`` (required);
-        element ``i`` rounds with the stream's uniform ``i``. With ``buffers``, where the native kernels run, the
-        words are ``(key, "words")``'s buffer there, reused once nothing refers to it."""
+        element ``i`` rounds with the stream's uniform ``i``. With ``out`` (contiguous int64 of that size) the words
+        are written there and it is returned (the native kernels write it directly, the others copy)."""
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
         layout = self.payload_layout(world_size, word_bits)
         if agreed is None and not self.multiscale and native.usable(x):
-            size = lane_block_words(x.numel(), layout.lanes_per_word)
-            words = None if buffers is None else buffers.take((key, "words"), size, torch.int64, x.device)
             return native.encode(x, groups, float(coarse) / self._scales(stats), coarse, layout.lanes_per_word,
-                                 layout.lane_width, rng, words)
+                                 layout.lane_width, rng, out)
         units = self._encode_units(stats, groups, agreed, x.numel())
         shifts = layout.lane_shifts(x.device)
-        return in_lane_blocks(x.numel(), shifts,
-                              lambda end, out: _encode_blocks(x[:end], units[:end], coarse, shifts, rng, out),
-                              lambda end: _tail_levels(x[end:], units[end:], coarse, rng, end))
+        words = in_lane_blocks(x.numel(), shifts,
+                               lambda end, block_out: _encode_blocks(x[:end], units[:end], coarse, shifts, rng,
+                                                                     block_out),
+                               lambda end: _tail_levels(x[end:], units[end:], coarse, rng, end))
+        return words if out is None else out.copy_(words)
 
     def decode(
         self,

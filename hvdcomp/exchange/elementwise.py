@@ -140,7 +140,7 @@ class MaxNormCodec(ElementwiseCodec):
         self.seed = seed
         self.rank: int | None = None
         self._results: dict[Hashable, torch.Tensor] = {}  # with a selector: per key, the mean's buffer
-        self.buffers = ResultBuffers()  # per key: the encode's words and (without a selector) the decode's mean
+        self.buffers = ResultBuffers()  # per key, without a selector: the decode's mean
 
     @property
     def reuses_result(self) -> bool:
@@ -234,8 +234,7 @@ class MaxNormCodec(ElementwiseCodec):
             counts = yield Op.SUM, quantizer.agreement_words(values, stats, groups, world_size)
             agreed = quantizer.agreed_scales(counts, values.numel(), world_size)
 
-        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng,
-                                                        self.buffers, key)
+        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
         mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits,
                                 self.buffers if indices is None else None, key)
         if indices is not None:
