@@ -174,11 +174,12 @@ def test_built_once_per_cache_even_by_concurrent_workers(tmp_path):
     outputs = [proc.communicate(timeout=300) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outputs]
     paths = {line.split()[1] for out, _ in outputs for line in out.splitlines() if line.startswith("LIBRARY")}
-    assert len(paths) == 1 and [p.name for p in tmp_path.iterdir()] == [Path(paths.pop()).name]
-    built = next(tmp_path.iterdir()).stat().st_mtime_ns
+    cache = tmp_path / "native"
+    assert len(paths) == 1 and [p.name for p in cache.iterdir()] == [Path(paths.pop()).name]  # no temporary left
+    built = next(cache.iterdir()).stat().st_mtime_ns
     again = _run(BUILD_SCRIPT, **env)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert next(tmp_path.iterdir()).stat().st_mtime_ns == built  # reused, not rebuilt
+    assert next(cache.iterdir()).stat().st_mtime_ns == built  # reused, not rebuilt
 
 
 FALLBACK_SCRIPT = """

@@ -10,7 +10,8 @@ about 1.5 to 2 (``benchmarks/codec_costs.py``).
 
 **Build.** At first use, the C++ compiler Inductor would use (``CXX``, else ``g++``, else ``c++``) builds the
 file with ``-O3 -march=native -ffp-contract=off`` (no fused multiply-add: the same float32 roundings as
-eager) into ``HVDCOMP_CACHE_DIR`` (default ``<tmp>/hvdcomp_<user>``), under a name keyed by the source, the
+eager) into ``native/`` under ``HVDCOMP_CACHE_DIR`` (the cache ``scripts/install_horovod.sh`` keeps its Horovod
+wheels in; default here ``<tmp>/hvdcomp_<user>``, as Inductor's), under a name keyed by the source, the
 compiler, the flags and this CPU's features, so a cache shared by several machines never hands one a library
 built for another's instructions. The build takes about a second; concurrent workers each build to a
 temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
@@ -76,7 +77,7 @@ def library_path(cxx: str) -> Path:
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
                                      _cpu_features().encode()])).hexdigest()[:24]
     cache = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / f"hvdcomp_{getpass.getuser()}")
-    return cache / f"native_kernels_{key}.so"
+    return cache / "native" / f"native_kernels_{key}.so"
 
 
 def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
