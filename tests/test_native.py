@@ -15,7 +15,7 @@ import pytest
 import test_fused
 import torch
 
-from hvdcomp.codec import fused, native
+from hvdcomp.codec import fused, native, recycle
 from hvdcomp.codec.onebit import draw_lane_words, mean_from_lane_sums
 from hvdcomp.codec.packing import LaneLayout, pack_lane_blocks
 from hvdcomp.codec.quantize import MaxNormQuantizer
@@ -298,3 +298,13 @@ def test_encode_writes_into_out():
             out = torch.full((want.numel() + 3,), -1, dtype=torch.int64)
             assert quantizer.encode(x, stats, groups, None, 2, 63, rng, out[:-3]).data_ptr() == out.data_ptr()
             assert torch.equal(out[:-3], want) and (out[-3:] == -1).all()
+
+
+def test_without_torchs_reference_count_nothing_is_reused(monkeypatch):
+    monkeypatch.setattr(recycle, "_USE_COUNT", None)
+    monkeypatch.setattr(recycle, "_ALONE", 0)
+    buffers = ResultBuffers()
+    first = buffers.take("k", 10, torch.float32, torch.device("cpu"))
+    pointer = first.data_ptr()
+    del first  # the buffers still hold it while they allocate the next: a new one has another address
+    assert buffers.take("k", 10, torch.float32, torch.device("cpu")).data_ptr() != pointer

@@ -8,22 +8,27 @@ shares its storage any more; otherwise it allocates a new one. So a result is st
 caller can see it: to the caller each result is a new tensor (``reuses_result`` stays False), and the usual loop
 (``zero_grad`` drops the gradients, the next exchange decodes) reuses the same memory every step. The buffer
 stays allocated between steps (one result's size per key). A Python handle on the raw storage
-(``tensor.untyped_storage()``) is not counted.
+(``tensor.untyped_storage()``) is not counted. The count is torch's (``torch._C._storage_Use_Count``); a torch
+without it gets a new buffer every time, as before.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable
 
 import torch
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # torch's own count; without it, nothing is reused
+
 
 def _references(tensor: torch.Tensor) -> int:
-    """How many tensors (and array exports) share ``tensor``'s storage, plus one for the storage object asked."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    """How many tensors (and array exports) share ``tensor``'s storage, plus one for the storage object asked
+    (without torch's count: more than any buffer alone has)."""
+    return _USE_COUNT(tensor.untyped_storage()._cdata) if _USE_COUNT is not None else sys.maxsize
 
 
-_ALONE = _references(torch.empty(1))  # a buffer nothing else refers to
+_ALONE = _references(torch.empty(1)) if _USE_COUNT is not None else 0  # a buffer nothing else refers to
 
 
 class ResultBuffers:
