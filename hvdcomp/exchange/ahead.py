@@ -14,7 +14,7 @@ buckets. Requests:
   SUM gathers every worker's row exactly and the maximum over the rows is the MAX, bit for bit. One collective
   per bucket instead of two, whose small MAX waited its turn behind the payloads in Horovod's queue and took 2
   to 10 ms each on the emulated cluster. The rows are used while they are at most 1/64 of the payload's words
-  (``STATS_SHARE``; many small scale groups and many workers take the MAX);
+  (``stats_share``; many small scale groups and many workers take the MAX);
 - without one (a bucket's first exchange, a new size or world size, a resumed state without one, the
   step after a NaN/Inf): the exact exchange of ``MaxNormCodec`` (``Op.MAX`` then ``Op.PAYLOAD``), whose
   MAX seeds the agreed scale.
