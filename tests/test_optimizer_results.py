@@ -90,6 +90,7 @@ def test_gradients_are_means_and_kept_ones_never_change(make, storages, in_place
     (lambda: hvdcomp.QSGDMaxNorm(8), None, 8.0),  # the scale agreed ahead: its codec's 8 MiB
     (lambda: hvdcomp.QSGDMaxNorm(8, scale="exact"), None, 25.0),
     (hvdcomp.NoCompression, None, 25.0),
+    (hvdcomp.FP16, None, 8.0),
     (lambda: hvdcomp.QSGDMaxNorm(8), 25.0, 25.0),  # the caller's size wins
 ])
 def test_default_bucket_size_is_the_codecs(make, bucket_size_mb, bucket_mb):

@@ -369,7 +369,7 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
             come back sparse); ``False``: they are reduced as Horovod reduces them (its sparse
             all-reduce, uncompressed; over ``MPITransport``, dense with a warning).
         bucket_size_mb: MiB of float32 gradients per bucket; each bucket is exchanged as soon as it is complete.
-            Default: the codec's ``bucket_mb`` (8 for ``QSGDMaxNorm``'s scale agreed ahead), else 25.
+            Default: the codec's ``bucket_mb`` (8 for ``QSGDMaxNorm``'s scale agreed ahead and ``FP16``), else 25.
         hierarchical: full precision inside nodes, the compressed payload only between nodes; ``None``:
             as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says (``horovodrun --hierarchical-allreduce``), else off.
         transport: an ``MPITransport`` to run the exchange over mpi4py; default Horovod over
