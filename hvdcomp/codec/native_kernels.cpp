@@ -184,6 +184,20 @@ inline void counts_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, 
 }
 #endif
 
+// words[0 .. n / L) <- the n lane values (whole lane blocks) in the blocked order (packing.pack_lane_blocks): lane
+// l of word B k + j holds value L B k + B l + j, shifted left by l * width.
+void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t width, int64_t* words) {
+  const int64_t per_block = kBlockWords * lanes;
+  for (int64_t k = 0; k < n / per_block; ++k) {
+    const int32_t* v = values + k * per_block;
+    int64_t sum[kBlockWords];
+    for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
+    for (int64_t l = 1; l < lanes; ++l)
+      for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
+    std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
+  }
+}
+
 int64_t chunk_values(int64_t lanes) { return std::max<int64_t>(1, kChunk / (kBlockWords * lanes)) * kBlockWords * lanes; }
 
 }  // namespace
@@ -204,7 +218,7 @@ void hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, floa
 void hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
                     int64_t coarse, int64_t lanes, int64_t width, const int64_t* stream_words, int64_t first,
                     int64_t last, int64_t* out) {
-  const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes);
+  const int64_t chunk = chunk_values(lanes);
   const float limit = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
   alignas(32) float noise[kChunk + 64], factors[kChunk], padded[kChunk];
@@ -224,15 +238,7 @@ void hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const fl
       values[i] = static_cast<int32_t>(std::copysign(level, xs[i])) + offset;
     }
     std::fill(values + valid, values + n, 0);
-    int64_t* words = out + start / lanes;
-    for (int64_t k = 0; k < n / per_block; ++k) {
-      const int32_t* v = values + k * per_block;
-      int64_t sum[kBlockWords];
-      for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
-      for (int64_t l = 1; l < lanes; ++l)
-        for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
-      std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
-    }
+    pack_lane_blocks(values, n, lanes, width, out + start / lanes);
   }
 }
 
@@ -273,7 +279,7 @@ void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* 
 // numel), packed into out[first / L ..].
 void hvdcomp_draw_bits(const float* m, const float* b, int64_t numel, int64_t lanes, int64_t width,
                        const int64_t* stream_words, int64_t draw_first, int64_t first, int64_t last, int64_t* out) {
-  const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes);
+  const int64_t chunk = chunk_values(lanes);
   alignas(32) float noise[kChunk + 64];
   alignas(32) int32_t bits[kChunk];
   for (int64_t start = first; start < last; start += chunk) {
@@ -286,15 +292,7 @@ void hvdcomp_draw_bits(const float* m, const float* b, int64_t numel, int64_t la
       bits[i] = (v * bs[i] < ms[i]) | ((bs[i] == 0.0f) & (v < 0.0f));
     }
     std::fill(bits + valid, bits + n, 0);
-    int64_t* words = out + start / lanes;
-    for (int64_t k = 0; k < n / per_block; ++k) {
-      const int32_t* v = bits + k * per_block;
-      int64_t sum[kBlockWords];
-      for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
-      for (int64_t l = 1; l < lanes; ++l)
-        for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
-      std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
-    }
+    pack_lane_blocks(bits, n, lanes, width, out + start / lanes);
   }
 }
 
