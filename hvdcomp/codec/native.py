@@ -1,12 +1,13 @@
-"""Hand-written CPU kernels for the single-resolution max-norm codec: ``native_kernels.cpp``, called through ctypes.
+"""Hand-written CPU kernels for the single-resolution max-norm codec and Birder: ``native_kernels.cpp``, through ctypes.
 
-QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and decode (unpack, offset, scale)
-each run as one pass over the bucket, a few thousand values at a time through stack buffers, with the
-per-element scale factor read from per-group factors (no gradient-sized buffer besides the result). They
-compute exactly what the eager reference computes (``hvdcomp.codec.quantize``; ``tests/test_native.py``), and
-where ``torch.compile``'s kernels reach 3 to 5 ns per element on an AVX2-only CPU (Inductor has no vector
-32 x 32 -> 64-bit multiply there: Philox's products take 5 multiplications of 16-bit halves), these take
-about 1.5 to 2 (``benchmarks/codec_costs.py``).
+QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and decode (unpack, offset, scale),
+and Birder's draw with its lane packing and its mean from +1 counts, each run as one pass over the bucket, a few
+thousand values at a time through stack buffers, with QSGD's per-element scale factor read from per-group factors
+(no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
+(``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``). On an AVX2-only CPU, where
+Inductor has no vector 32 x 32 -> 64-bit multiply (Philox's products took 5 multiplications of 16-bit halves),
+``benchmarks/codec_costs.py --workers 8`` gave QSGD 2 / 4 / 8 4.9 to 8.0 ns per element all in with
+``torch.compile``'s kernels and 2.1 to 2.3 with these.
 
 **Build.** At first use, the C++ compiler Inductor would use (``CXX``, else ``g++``, else ``c++``) builds the
 file with ``-O3 -march=native -ffp-contract=off`` (no fused multiply-add: the same float32 roundings as
