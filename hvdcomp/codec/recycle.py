@@ -9,7 +9,8 @@ see it: to the caller each result is a new tensor (``reuses_result`` stays False
 drops the gradients, the next exchange decodes) reuses the same memory every step. The buffer stays allocated
 between steps (one result's size per key). A Python handle on the raw storage (``tensor.untyped_storage()``) is not
 counted. The count is torch's (``torch._C._storage_Use_Count``); a torch without it gets a new buffer every time, as
-before. """
+before.
+"""
 
 from __future__ import annotations
 
