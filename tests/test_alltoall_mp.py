@@ -1,6 +1,8 @@
 """``Op.ALLTOALL`` / ``Op.ALLGATHER`` over both transports (Horovod's all-to-alls and equal all-gathers whole
-and in pieces), Horovod's float16 ``Op.SUM`` (all-to-all pieces summed at float32), and ``FP16`` through them,
-in real workers."""
+and in pieces), Horovod's float16 ``Op.SUM`` (Horovod's own, and all-to-all pieces summed at float32), and
+``FP16`` through them, in real workers."""
+
+import importlib.metadata
 
 import pytest
 import torch
@@ -61,7 +63,12 @@ def _alltoall_worker(transport_name):
     out["gather_pieces"] = [(lo, hi) for lo, hi, _ in handle.handles] if isinstance(handle, horovod._Pieces) else None
     out["gathered"] = transport.wait(handle)
     out["ragged"] = transport.collective(Op.ALLGATHER, sent[:4 + rank])  # plain: any sizes, never in pieces
-    out["half_sums"] = _half_sums(transport) if transport_name == "horovod" else None
+    out["half_sums"] = None
+    if transport_name == "horovod":  # the sum in all-to-all pieces, then Horovod's own
+        out["half_sums"] = {}
+        for by_horovod in (False, True):
+            horovod.HOROVOD_SUMS_FLOAT16 = by_horovod
+            out["half_sums"][by_horovod] = _half_sums(transport)
     codec = FP16(error_feedback=True)
     out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport).clone()
                    for step in range(2)]  # the mean is the codec's buffer for "b", rewritten next step
@@ -87,18 +94,37 @@ def test_alltoall_and_fp16_over_real_transports(launcher):
         gathered = torch.cat([(torch.arange(3) + 100 * source) for source in range(size)]).to(torch.float16)
         assert torch.equal(out["allgather"], gathered)
         if launcher == "gloo":  # the sum at float32 in rank order, rounded once; Inf and NaN as they come
-            for numel, got in out["half_sums"].items():
-                parts = [_halves(12, r).view(3, 4) if numel == "unnamed" else _halves(numel, r) for r in range(size)]
-                want = sum(part.float() for part in parts).half()
-                assert got.dtype == torch.float16 and torch.equal(got.isnan(), want.isnan()), numel
-                assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), numel
-            assert out["half_sums"][13][4] == float("inf") and out["half_sums"][13][7].isnan()
+            for by_horovod, sums in out["half_sums"].items():
+                for numel, got in sums.items():
+                    parts = [_halves(12, r).view(3, 4) if numel == "unnamed" else _halves(numel, r)
+                             for r in range(size)]
+                    want = sum(part.float() for part in parts).half()
+                    assert got.dtype == torch.float16 and torch.equal(got.isnan(), want.isnan()), (by_horovod, numel)
+                    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (by_horovod, numel)
+                assert sums[13][4] == float("inf") and sums[13][7].isnan(), by_horovod
     codecs = [FP16(error_feedback=True) for _ in range(size)]
     for step in range(2):
         want = simulate([codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size)
                          for rank, codec in enumerate(codecs)])[0]
         for out in results:
             assert torch.equal(out["fp16"][step], want)  # identical, bit-exactly the simulation
+
+
+@pytest.mark.parametrize("version, vector_sum", [("0.28.1+hvdcomp.f16c", True), ("0.28.1", False),
+                                                 ("0.28.1+other", False), (None, False)])
+def test_horovod_sums_float16_itself_only_in_builds_labelled_with_gloos_vector_sum(monkeypatch, version, vector_sum):
+    """``scripts/install_horovod.sh`` labels the builds whose Gloo sums float16 with F16C/AVX; only those sum
+    float16 themselves (others: in all-to-all pieces summed by the transport)."""
+    from hvdcomp.transport import horovod
+
+    def installed(name):
+        assert name == "horovod"
+        if version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(horovod.importlib.metadata, "version", installed)
+    assert horovod._gloo_sums_float16_in_vectors() is vector_sum
 
 
 def test_horovod_waits_sleep_between_polls_instead_of_spinning(monkeypatch):

@@ -95,6 +95,16 @@ def test_gloo_np2_dtype_facts(gloo_np2: list[dict[str, Any]]) -> None:
         _assert_same(seen["float64_word_sum"], torch.tensor([2 * FLOAT64_WORD - 1], dtype=torch.float64))
 
 
+def test_the_installed_horovod_sums_float16_with_gloos_vector_code_where_the_cpu_has_f16c() -> None:
+    """``make install`` builds Horovod with ``scripts/install_horovod.sh``, which compiles Gloo's F16C/AVX float16
+    sum where the build machine has F16C and AVX, and labels the wheel for ``HorovodTransport`` to read."""
+    from hvdcomp.transport import horovod
+
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    assert horovod.HOROVOD_SUMS_FLOAT16 is ({"f16c", "avx"} <= set(flags)), flags
+
+
 def _probe_two_nodes() -> dict[str, Any]:
     """Worker: topology as seen by every rank, and all-reduces over the world and over this node's process set."""
     me = torch.tensor([[hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]])

@@ -56,12 +56,13 @@ class FP16(ElementwiseCodec):
     """Float16 sum over the workers (Horovod's fp16 compression), 16 bits per element on the wire.
 
     Over a transport that sums float16 at the wire's rate (``sums_float16``: torch.distributed's Gloo and
-    NCCL, as DDP's fp16 hook uses them, and ``HorovodTransport``, which runs the chunked exchange below itself,
-    in pieces), one ``Op.SUM`` of the float16 bucket (the transport's rounding: a ring rounds each partial
-    sum, Horovod's pieces round once). Otherwise (MPI) a reduce-scatter and an all-gather: ``Op.ALLTOALL``
-    of the float16 bucket (padded to a multiple of W) gives each worker one chunk from every worker, which it
-    sums at float32 and rounds to float16 once, then ``Op.ALLGATHER_EQUAL`` of the float16 chunk sums (one
-    shape on every worker). The bytes of a ring all-reduce. Either way every worker gets the same sums.
+    NCCL, as DDP's fp16 hook uses them, and ``HorovodTransport``: Horovod's own sum, or the chunked exchange
+    below in pieces where Horovod's Gloo sums float16 in software), one ``Op.SUM`` of the float16 bucket (the
+    transport's rounding: a ring rounds each partial sum, the pieces round once). Otherwise (MPI) a
+    reduce-scatter and an all-gather: ``Op.ALLTOALL`` of the float16 bucket (padded to a multiple of W) gives
+    each worker one chunk from every worker, which it sums at float32 and rounds to float16 once, then
+    ``Op.ALLGATHER_EQUAL`` of the float16 chunk sums (one shape on every worker). The bytes of a ring
+    all-reduce. Either way every worker gets the same sums.
 
     With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
     Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose

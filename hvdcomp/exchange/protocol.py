@@ -168,9 +168,9 @@ class Transport(Topology, Protocol):
     ``blocking`` is True when collectives pair by call order, not by name: ``start`` completes the
     collective before returning (MPI) or queues it (torch.distributed); every worker must then start
     them in the same order. A transport may also set ``sums_float16`` (default False): its ``SUM`` of a
-    float16 tensor runs at the wire's rate (Gloo and NCCL through torch.distributed; Horovod as all-to-alls
-    summed by the transport, since Horovod's own Gloo path sums float16 in software), and codecs may then ask
-    for it (``FP16``).
+    float16 tensor runs at the wire's rate (Gloo and NCCL through torch.distributed; Horovod itself where its
+    Gloo has the F16C/AVX sum, otherwise as all-to-alls summed by the transport), and codecs may then ask for
+    it (``FP16``).
     """
 
     blocking: bool

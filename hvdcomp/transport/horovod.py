@@ -14,19 +14,22 @@ at 1 Gbit/s, 23.5 MB per peer took 0.38 to 0.41 s in one all-to-all and 0.22 s i
 pieces cost more than they save: 0.09 to 0.13 s against 0.06 to 0.08 s. Horovod all-gathers cut into pieces
 gain nothing: Horovod fuses them back into one.
 
-A float16 ``SUM`` (``sums_float16``) never reaches Horovod's float16 all-reduce, whose Gloo path sums one
-element at a time in software. It runs as a reduce-scatter and an all-gather, both of all-to-all pieces: the
-flat tensor is cut into windows of ``W * ALLTOALL_PIECE_BYTES / 2`` elements, each window's all-to-all sends
-its ``W`` near-equal parts (no copy: a window is a contiguous slice); each worker sums its part of every
-worker's window at float32 in rank order, rounded once (``codec.half.sum_rows_to_half``), into one row per
-destination as soon as that window arrives, and all-to-alls those rows back: each returns the window's sums,
-copied into the result as it arrives. Every worker gets the same bits, those of the chunked exchange of
-``FP16`` over other transports (at 1 Gbit/s, 0.444 s for ResNet-50's 23.5M values against 0.489 s for that
-exchange's all-to-all and all-gather in pieces; ``benchmarks/cluster_collectives.py``).
+A float16 ``SUM`` (``sums_float16``) is Horovod's own all-reduce where its Gloo sums float16 with F16C/AVX
+(``HOROVOD_SUMS_FLOAT16``: a build of ``scripts/install_horovod.sh``, whose wheels carry the local version
+label ``hvdcomp.f16c``). Horovod as released never compiles Gloo's vector float16 sum: its Gloo path then
+converts each element in software, at about half fp32's speed over 1 Gbit/s (ResNet-50's gradient, 2 nodes:
+0.91 s against fp32's 0.86, and 0.48 with the vector sum). There the SUM runs here as a reduce-scatter and an
+all-gather, both of all-to-all pieces: the flat tensor is cut into windows of ``W * ALLTOALL_PIECE_BYTES / 2``
+elements, each window's all-to-all sends its ``W`` near-equal parts (no copy: a window is a contiguous slice);
+each worker sums its part of every worker's window at float32 in rank order, rounded once
+(``codec.half.sum_rows_to_half``), into one row per destination as soon as that window arrives, and
+all-to-alls those rows back: each returns the window's sums, copied into the result as it arrives. Every
+worker gets the same bits either way (with 2 workers the same bits: one rounding of the float32 sum).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import time
 from dataclasses import dataclass
@@ -48,6 +51,19 @@ _DYNAMIC_SETS_NEEDED = (
 ALLTOALL_PIECE_BYTES = 512 * 1024
 WAIT_POLL_SECONDS = 1e-4
 _HIERARCHY_SETS: dict[tuple[int, int], tuple[list[hvd.ProcessSet], list[hvd.ProcessSet]]] = {}
+
+
+def _gloo_sums_float16_in_vectors() -> bool:
+    """Whether the installed Horovod is a build of ``scripts/install_horovod.sh`` with Gloo's F16C/AVX float16
+    sum: its version carries the local label ``hvdcomp.f16c``."""
+    try:
+        version = importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return version.partition("+")[2] == "hvdcomp.f16c"
+
+
+HOROVOD_SUMS_FLOAT16 = _gloo_sums_float16_in_vectors()
 
 
 def _hierarchy_process_sets() -> tuple[hvd.ProcessSet, hvd.ProcessSet]:
@@ -191,7 +207,7 @@ class HorovodTransport:
     global process set only)."""
 
     blocking = False  # asynchronous, matched across workers by name
-    sums_float16 = True  # as all-to-all pieces summed here (the module docstring), not by Horovod's float16 sum
+    sums_float16 = True  # Horovod's vector sum, or all-to-all pieces summed here (the module docstring)
 
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -248,7 +264,7 @@ class HorovodTransport:
             if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any dtype)
                 pieces = _in_pieces(tensor, False, name, group)
                 return pieces if pieces is not None else hvd.alltoall_async(tensor, name=name, process_set=group)
-            if op.reduction is Reduction.SUM and tensor.dtype == torch.float16:
+            if op.reduction is Reduction.SUM and tensor.dtype == torch.float16 and not HOROVOD_SUMS_FLOAT16:
                 return _HalfSum.start(tensor, name, group)
             reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
             return hvd.allreduce_async(tensor, name=name, op=reduce_op, process_set=group)
