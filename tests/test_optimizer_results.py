@@ -1,5 +1,5 @@
 """``hvdcomp.DistributedOptimizer`` hands each gradient its mean without a copy where the codec's result is the
-caller's to keep (a new tensor each exchange), and copies it where the codec reuses a buffer (``FP16``) or the
+caller's to keep (a new tensor each exchange), and copies it where the codec reuses a buffer (random-k) or the
 transport summed the bucket's own buffer in place: a gradient kept from one step never changes at the next."""
 
 import pytest
@@ -64,9 +64,10 @@ def _steps(compression, transport, steps=3):
 
 # storages of the 4 gradients over a transport that returns new sums, and one that sums in place: 1 when they
 # are views of the codec's result (a new tensor each exchange), 4 when copied (NoCompression's in-place sum is
-# the bucket's buffer; FP16 reuses its buffer)
+# the bucket's buffer; random-k reuses its buffer)
 @pytest.mark.parametrize("make,storages", [(hvdcomp.NoCompression, (1, 4)), (lambda: hvdcomp.QSGDMaxNorm(8), (1, 1)),
-                                           (hvdcomp.FP16, (4, 4))])
+                                           (hvdcomp.FP16, (1, 1)), (lambda: hvdcomp.FP16(error_feedback=True), (1, 1)),
+                                           (lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.5), (4, 4))])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_gradients_are_means_and_kept_ones_never_change(make, storages, in_place):
     """Three steps of equal workers (one bucket): each step's gradients hold the mean and stay as they were

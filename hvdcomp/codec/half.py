@@ -2,8 +2,8 @@
 error-feedback residual; summing W workers' float16 chunks at float32 in rank order, rounded once; the mean
 of the float16 sums; and the residual's update with what rounding lost. Pure tensor math, no collectives.
 
-Every function writes into buffers its caller keeps per bucket (``HalfBuffers``). The passes over several
-tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
+Every function writes into buffers its caller keeps (``HalfBuffers`` per bucket, and the mean's). The passes
+over several tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
 ``sum_rows_to_half`` (W reads, one write), ``mean_from_half_sums`` (with the NaN/Inf check in the same pass)
 and ``add_rounding_error``.
 Compiled, they write straight into those buffers (no gradient-sized temporary; eagerly the chunk sum and the
@@ -21,20 +21,19 @@ from .fused import FusedKernel, static
 
 class HalfBuffers:
     """One bucket's buffers, kept across steps: ``send`` (float16 ``[padded]``: the values rounded to float16,
-    then zeros; ``chunked``: ``padded`` is ``numel`` rounded up to a multiple of ``world_size``, else ``numel``),
-    ``chunk_sum`` (float16 ``[padded / world_size]``: this worker's chunk of the sum, when ``chunked``; else
-    None) and ``mean`` (float32 ``[numel]``)."""
+    then zeros; ``chunked``: ``padded`` is ``numel`` rounded up to a multiple of ``world_size``, else ``numel``)
+    and ``chunk_sum`` (float16 ``[padded / world_size]``: this worker's chunk of the sum, when ``chunked``; else
+    None)."""
 
     def __init__(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> None:
         self.shape = (numel, world_size, chunked)
         padded = -(-numel // world_size) * world_size if chunked else numel
         self.send = torch.zeros(padded, dtype=torch.float16, device=device)  # the padding stays 0
         self.chunk_sum = torch.empty(padded // world_size, dtype=torch.float16, device=device) if chunked else None
-        self.mean = torch.empty(numel, dtype=torch.float32, device=device)
 
     def fits(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> bool:
         """Whether these are the buffers ``HalfBuffers(numel, world_size, chunked, device)`` would make."""
-        return self.shape == (numel, world_size, chunked) and self.mean.device == device
+        return self.shape == (numel, world_size, chunked) and self.send.device == device
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:

@@ -112,8 +112,8 @@ class ElementwiseCodec(BucketCodec):
         """Exchange this worker's ``flat`` (float32 ``[n]``, the bucket's tensors concatenated;
         ``segments`` their sizes, summing to ``n``: a list of whole tensors, or a ``Segments`` when
         ``flat`` is a shard). Returns float32 ``[n]``: the mean over the workers, valid until this codec's
-        next exchange of ``key`` (a codec may reuse its buffer: ``FP16``, and ``MaxNormCodec`` with a selector;
-        copy what you keep longer).
+        next exchange of ``key`` (a codec may reuse its buffer: ``MaxNormCodec`` with a selector; copy what you
+        keep longer).
 
         The call may check the configuration against ``segments`` (every worker alike, before any
         collective); ``flat``'s values are read only once the exchange runs (a hierarchical exchange

@@ -70,8 +70,8 @@ class FP16(ElementwiseCodec):
     memory as it was.
 
     The math is ``hvdcomp.codec.half``'s (one fused pass each for the chunk sum, the mean with its NaN/Inf
-    check, and the memory's update), into buffers kept per bucket: the mean an exchange returns is
-    rewritten by that bucket's next exchange.
+    check, and the memory's update), into buffers kept per bucket. The mean is the caller's to keep: a buffer
+    of ``ResultBuffers``, handed out again only once nothing refers to it.
     """
 
     # Buckets of 8 MiB: the first bucket's rounding and the last one's mean, outside the wire's time, are
@@ -83,6 +83,7 @@ class FP16(ElementwiseCodec):
         self.memory = ErrorFeedback() if error_feedback else None
         self.sums_float16 = False  # the transport's (bind_transport)
         self._buffers: dict[Hashable, HalfBuffers] = {}  # per bucket, reused every step
+        self.results = ResultBuffers()  # per bucket, the mean's
 
     def bind_transport(self, transport: Any) -> None:
         super().bind_transport(transport)
@@ -107,10 +108,16 @@ class FP16(ElementwiseCodec):
             received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
             sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sum)
             total = yield Op.ALLGATHER_EQUAL, buffers.chunk_sum
-        finite = mean_from_half_sums(total[:flat.numel()], world_size, buffers.mean, check_finite=residual is not None)
+        mean = self.results.take(key, flat.numel(), torch.float32, flat.device)
+        finite = mean_from_half_sums(total[:flat.numel()], world_size, mean, check_finite=residual is not None)
         if residual is not None and finite:  # what rounding to float16 lost
             add_rounding_error(residual, flat, half)
-        return buffers.mean
+        return mean
+
+    @property
+    def reuses_result(self) -> bool:
+        """False: the mean is a ``ResultBuffers`` buffer, never rewritten while the caller refers to it."""
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.memory is None else self.memory.state_dict()
