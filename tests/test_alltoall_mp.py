@@ -42,6 +42,19 @@ def _half_sums(transport):
     return sums
 
 
+def _reused_sums(transport):
+    """Three named SUMs of one name: the second while the first's result is held, the third once both are
+    dropped. The sums (the first as it is after the second), their outputs' addresses, and the address of
+    the output the transport keeps for that name after the third."""
+    x = torch.arange(6.0) + transport.rank
+    first = transport.wait(transport.start(Op.SUM, x, name="reused"))
+    second = transport.wait(transport.start(Op.SUM, 2 * x, name="reused"))
+    sums, pointers = [first.clone(), second.clone()], [first.data_ptr(), second.data_ptr()]
+    del first, second
+    third = transport.wait(transport.start(Op.SUM, 3 * x, name="reused"))
+    return sums + [third], pointers + [third.data_ptr()], transport._sums._buffers["reused"].data_ptr()
+
+
 def _alltoall_worker(transport_name):
     import hvdcomp
     from hvdcomp.exchange.protocol import drive
@@ -69,6 +82,7 @@ def _alltoall_worker(transport_name):
         for by_horovod in (False, True):
             horovod.HOROVOD_SUMS_FLOAT16 = by_horovod
             out["half_sums"][by_horovod] = _half_sums(transport)
+    out["reused"] = _reused_sums(transport) if transport_name == "horovod" else None
     codec = FP16(error_feedback=True)
     out["fp16"] = [drive(codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size), transport).clone()
                    for step in range(2)]  # the mean is the codec's buffer for "b", rewritten next step
@@ -102,6 +116,10 @@ def test_alltoall_and_fp16_over_real_transports(launcher):
                     assert got.dtype == torch.float16 and torch.equal(got.isnan(), want.isnan()), (by_horovod, numel)
                     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (by_horovod, numel)
                 assert sums[13][4] == float("inf") and sums[13][7].isnan(), by_horovod
+            sums, pointers, kept = out["reused"]  # Horovod's SUM into the transport's output, reused when free
+            x = sum(torch.arange(6.0) + source for source in range(size))
+            assert all(torch.equal(got, k * x) for k, got in zip((1, 2, 3), sums))  # a held result never changes
+            assert pointers[0] != pointers[1] and pointers[2] == kept, (pointers, kept)
     codecs = [FP16(error_feedback=True) for _ in range(size)]
     for step in range(2):
         want = simulate([codec.exchange(_grads(rank) * (step + 1), [1001], "b", step, size)
