@@ -23,8 +23,9 @@ all-gather, both of all-to-all pieces: the flat tensor is cut into windows of ``
 elements, each window's all-to-all sends its ``W`` near-equal parts (no copy: a window is a contiguous slice);
 each worker sums its part of every worker's window at float32 in rank order, rounded once
 (``codec.half.sum_rows_to_half``), into one row per destination as soon as that window arrives, and
-all-to-alls those rows back: each returns the window's sums, copied into the result as it arrives. Every
-worker gets the same bits either way (with 2 workers the same bits: one rounding of the float32 sum).
+all-to-alls those rows back: each returns the window's sums, copied into the result as it arrives. Either
+way every worker gets the same bits (Horovod's ring rounds each partial sum, the windows round once: with 2
+workers both are one rounding of the float32 sum).
 """
 
 from __future__ import annotations
@@ -272,7 +273,8 @@ class HorovodTransport:
             if name is None:
                 return hvd.allreduce_async(tensor, op=reduce_op, process_set=group)
             # Horovod's allreduce_async with an output reused once nothing refers to it: a fresh one is
-            # faulted in page by page as Horovod copies the sum into it (40 MB took 47 ms there, 3 ms reused)
+            # faulted in page by page as Horovod copies the sum into it (a timeline of FP16 showed one fused
+            # group's 40 MB take 47 ms there)
             output = self._sums.take(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
             return hvd.mpi_ops._allreduce_async(tensor, output, name, reduce_op, 1.0, 1.0, group)
         except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
