@@ -73,6 +73,22 @@ def _groups(quantizer: MaxNormQuantizer, numel: int) -> torch.Tensor:
     return quantizer.scale_groups(numel, [first, 0, second, numel - first - second])
 
 
+@pytest.fixture(params=[1, 3])
+def threads(request):
+    """The kernels split over this many threads (torch's), restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+def _moments(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """Random moments ``|m| <= b`` of ``numel`` elements, and the generator that drew them, to draw more."""
+    gen = torch.Generator().manual_seed(numel)
+    b = torch.rand(numel, generator=gen)
+    return (torch.rand(numel, generator=gen) * 2 - 1) * b, b, gen
+
+
 def _both(fn, *args):
     """``fn(*args)`` with the native kernels, and eagerly."""
     assert native.usable(torch.zeros(1))
@@ -84,29 +100,22 @@ def _both(fn, *args):
 
 
 @pytest.mark.parametrize("bits,world_size,word_bits", LAYOUTS)
-@pytest.mark.parametrize("threads", [1, 3])
 def test_encode_and_decode_equal_eager(bits, world_size, word_bits, threads, build):
     quantizer = MaxNormQuantizer(bits)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for numel in SIZES:
-            x = _gradient(numel, numel)
-            groups = _groups(quantizer, numel)
-            stats = quantizer.local_stats(x, groups)
-            if stats.numel() > 2:
-                stats[0] *= 0.25  # an agreed scale below the group's maximum: clipped levels
-                stats[1] = 0.0  # an all-zero group: the scale floor
-            rng = stream_words(5 + numel, 0, "rounding", 1, numel)
-            words, want = _both(quantizer.encode, x, stats, groups, None, world_size, word_bits, rng)
-            assert torch.equal(words, want), (numel, bits, world_size)
-            arbitrary = torch.randint(-(1 << 62), 1 << 62, want.shape, generator=torch.Generator().manual_seed(numel))
-            for sums in (want * world_size, arbitrary):  # every worker sent these words; any words
-                means, want_means = _both(quantizer.decode, sums, stats, groups, None, numel, world_size,
-                                                  word_bits)
-                assert means.shape == (numel,) and torch.equal(means, want_means), (numel, bits, world_size)
-    finally:
-        torch.set_num_threads(previous)
+    for numel in SIZES:
+        x = _gradient(numel, numel)
+        groups = _groups(quantizer, numel)
+        stats = quantizer.local_stats(x, groups)
+        if stats.numel() > 2:
+            stats[0] *= 0.25  # an agreed scale below the group's maximum: clipped levels
+            stats[1] = 0.0  # an all-zero group: the scale floor
+        rng = stream_words(5 + numel, 0, "rounding", 1, numel)
+        words, want = _both(quantizer.encode, x, stats, groups, None, world_size, word_bits, rng)
+        assert torch.equal(words, want), (numel, bits, world_size)
+        arbitrary = torch.randint(-(1 << 62), 1 << 62, want.shape, generator=torch.Generator().manual_seed(numel))
+        for sums in (want * world_size, arbitrary):  # every worker sent these words; any words
+            means, want_means = _both(quantizer.decode, sums, stats, groups, None, numel, world_size, word_bits)
+            assert means.shape == (numel,) and torch.equal(means, want_means), (numel, bits, world_size)
 
 
 def test_threads_split_whole_lane_blocks():
@@ -252,28 +261,52 @@ def test_a_held_result_is_never_rewritten(ahead):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8, 64, 1 << 20])
-@pytest.mark.parametrize("threads", [1, 3])
 def test_birder_draw_and_mean_equal_eager(world_size, threads, build):
     layout = LaneLayout(span=1, world_size=world_size)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for numel in SIZES:
-            gen = torch.Generator().manual_seed(numel)
-            b = torch.rand(numel, generator=gen)
-            b[::5] = 0.0  # where b == 0 the draw is a fair coin
-            m = (torch.rand(numel, generator=gen) * 2 - 1) * b
-            rng = stream_words(numel, 4, "birder", 1, "draw")
-            for first in (0, 8, 64 * 1001):
-                words, want = _both(draw_lane_words, m, b, rng, layout, first)
-                assert torch.equal(words, want), (numel, world_size, first)
-            sums = torch.randint(0, world_size + 1, (words.numel() * layout.lanes_per_word,), generator=gen)
-            sums = pack_lane_blocks(sums, layout.lane_shifts()) if sums.numel() else words
-            out = torch.full((sums.numel() * layout.lanes_per_word + 5,), 7.0)
-            means, want_means = _both(mean_from_lane_sums, sums, layout, numel, out.clone())
-            assert torch.equal(means, want_means), (numel, world_size)
-    finally:
-        torch.set_num_threads(previous)
+    for numel in SIZES:
+        m, b, gen = _moments(numel)
+        m[::5], b[::5] = 0.0, 0.0  # where b == 0 the draw is a fair coin
+        rng = stream_words(numel, 4, "birder", 1, "draw")
+        for first in (0, 8, 64 * 1001):
+            words, want = _both(draw_lane_words, m, b, rng, layout, first)
+            assert torch.equal(words, want), (numel, world_size, first)
+        sums = torch.randint(0, world_size + 1, (words.numel() * layout.lanes_per_word,), generator=gen)
+        sums = pack_lane_blocks(sums, layout.lane_shifts()) if sums.numel() else words
+        out = torch.full((sums.numel() * layout.lanes_per_word + 5,), 7.0)
+        means, want_means = _both(mean_from_lane_sums, sums, layout, numel, out.clone())
+        assert torch.equal(means, want_means), (numel, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_birder_moments_in_the_draw_equal_eager(world_size, threads, build):
+    """The moments updated over runs of their own betas (gaps between them untouched) in the draw's pass equal
+    ``update_moment_runs`` then the draw, split over threads inside and across runs."""
+    layout = LaneLayout(span=1, world_size=world_size)
+    for numel in SIZES:
+        m, b, gen = _moments(numel)
+        grad = torch.randn(numel, generator=gen)
+        runs = [(0, numel // 3, 0.9), (numel // 3 + 1, numel // 2, 0.5), (numel // 2, numel, 0.999)]
+        runs = [run for run in runs if run[0] < run[1]]
+        rng = stream_words(numel, 4, "birder", 1, "draw")
+        for first in (0, 64 * 1001):
+            (m_native, b_native), (m_eager, b_eager) = [(m.clone(), b.clone()) for _ in range(2)]
+            words = draw_lane_words(m_native, b_native, rng, layout, first, grad, runs)
+            with fused.eager():
+                want = draw_lane_words(m_eager, b_eager, rng, layout, first, grad, runs)
+            assert torch.equal(words, want), (numel, world_size, first)
+            assert torch.equal(m_native, m_eager) and torch.equal(b_native, b_eager), (numel, first)
+            if numel > 2:
+                assert not torch.equal(m_native, m)
+                assert torch.equal(m_native[numel // 3], m[numel // 3])  # between runs
+
+
+def test_birder_moment_runs_are_checked():
+    m = torch.zeros(100)
+    for runs in ([(10, 5, 0.9)], [(0, 50, 0.9), (40, 60, 0.9)], [(0, 101, 0.9)], [(-1, 5, 0.9)]):
+        with pytest.raises(ValueError, match="ascending, disjoint"):
+            native.draw_bit_words(m, m.clone(), stream_words(0, 0), 31, 2, 0, torch.zeros(100), runs)
+    with pytest.raises(ValueError, match="needs a gradient of 100"):
+        native.draw_bit_words(m, m.clone(), stream_words(0, 0), 31, 2, 0, torch.zeros(99), [(0, 5, 0.9)])
 
 
 @pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])

@@ -1,9 +1,9 @@
 """Hand-written CPU kernels for the single-resolution max-norm codec and Birder: ``native_kernels.cpp``, through ctypes.
 
 QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and decode (unpack, offset, scale),
-and Birder's draw with its lane packing and its mean from +1 counts, each run as one pass over the bucket, a few
-thousand values at a time through stack buffers, with QSGD's per-element scale factor read from per-group factors
-(no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
+and Birder's moments update and draw with its lane packing, and its mean from +1 counts, each run as one pass over
+the bucket, a few thousand values at a time through stack buffers, with QSGD's per-element scale factor read from
+per-group factors (no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
 (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``). On an AVX2-only CPU, where
 Inductor has no vector 32 x 32 -> 64-bit multiply (Philox's products took 5 multiplications of 16-bit halves),
 ``benchmarks/codec_costs.py --workers 8`` gave QSGD 2 / 4 / 8 4.9 to 8.0 ns per element all in with
@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -111,7 +112,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                    _POINTER]
     lib.hvdcomp_decode.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER]
     lib.hvdcomp_uniform.argtypes = [_POINTER, _INT, _INT, _POINTER]
-    lib.hvdcomp_draw_bits.argtypes = [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_draw_bits.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT,
+                                      _POINTER, _INT, _INT, _INT, _POINTER]
     lib.hvdcomp_counts_mean.argtypes = [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER]
     for function in (lib.hvdcomp_encode, lib.hvdcomp_decode, lib.hvdcomp_uniform, lib.hvdcomp_draw_bits,
                      lib.hvdcomp_counts_mean):
@@ -219,20 +221,30 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     return means
 
 
-def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: int, width: int,
-                   first: int) -> torch.Tensor:
+def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: int, width: int, first: int,
+                   grad: torch.Tensor | None = None, runs: Sequence[tuple[int, int, float]] = ()) -> torch.Tensor:
     """int64 ``[lane_block_words(n, lanes)]``: ``onebit.draw_lane_words`` of flat float32 ``m``, ``b`` (``usable``;
-    ``first``, the draw's first uniform, a multiple of 8)."""
+    ``first``, the draw's first uniform, a multiple of 8), after updating the moments over ``runs`` (ascending,
+    disjoint ``[lo, hi)`` spans of ``[0, n)`` with their beta) from ``grad`` (``usable``), in the same pass."""
     if first % OUTPUTS_PER_BLOCK:
         raise ValueError(f"the draw must start at a whole Philox block, not at uniform {first}")
     rng = rng.to(torch.int64).contiguous()
     numel = m.numel()
+    edges = [edge for lo, hi, _ in runs for edge in (lo, hi)]
+    if edges != sorted(edges) or (edges and (edges[0] < 0 or edges[-1] > numel)):
+        raise ValueError(f"moment runs must be ascending, disjoint spans of [0, {numel}), got {list(runs)}")
+    if runs and (grad is None or grad.shape != m.shape):
+        shape = None if grad is None else tuple(grad.shape)
+        raise ValueError(f"updating the moments needs a gradient of {numel} elements, got {shape}")
+    bounds = torch.tensor(edges, dtype=torch.int64)
+    betas = torch.tensor([value for _, _, beta in runs for value in (beta, 1.0 - beta)], dtype=torch.float32)
+    grad = grad if runs else m  # not read without runs
     out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
     lib = _Library.handle
 
     def run(lo: int, hi: int) -> None:
-        lib.hvdcomp_draw_bits(m.data_ptr(), b.data_ptr(), numel, lanes, width, rng.data_ptr(), first, lo, hi,
-                              out.data_ptr())
+        lib.hvdcomp_draw_bits(m.data_ptr(), b.data_ptr(), grad.data_ptr(), numel, bounds.data_ptr(), betas.data_ptr(),
+                              len(runs), lanes, width, rng.data_ptr(), first, lo, hi, out.data_ptr())
 
     _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
     return out

@@ -274,16 +274,30 @@ void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* 
   }
 }
 
-// Birder's draw (onebit._draw_lane_blocks_eager and its tail): for values [first, last) (whole lane blocks), value i
-// is the bit (v b_i < m_i) | (b_i == 0 & v < 0), v = 2 U - 1 for U the stream's uniform draw_first + i (0 past
-// numel), packed into out[first / L ..].
-void hvdcomp_draw_bits(const float* m, const float* b, int64_t numel, int64_t lanes, int64_t width,
-                       const int64_t* stream_words, int64_t draw_first, int64_t first, int64_t last, int64_t* out) {
+// Birder's moments and draw (onebit._update_moments_eager, then onebit._draw_lane_blocks_eager and its tail): for
+// values [first, last) (whole lane blocks), value i inside run r (spans [bounds[2 r], bounds[2 r + 1]) of [0, numel),
+// ascending; betas[2 r], betas[2 r + 1] = beta, 1 - beta as float32) first updates m_i <- beta m_i + (1 - beta) g_i,
+// b_i <- beta b_i + (1 - beta) |g_i|; then value i is the bit (v b_i < m_i) | (b_i == 0 & v < 0), v = 2 U - 1 for U
+// the stream's uniform draw_first + i (0 past numel), packed into out[first / L ..]. Both in one pass per chunk.
+void hvdcomp_draw_bits(float* m, float* b, const float* grad, int64_t numel, const int64_t* bounds,
+                       const float* betas, int64_t runs, int64_t lanes, int64_t width, const int64_t* stream_words,
+                       int64_t draw_first, int64_t first, int64_t last, int64_t* out) {
   const int64_t chunk = chunk_values(lanes);
   alignas(32) float noise[kChunk + 64];
   alignas(32) int32_t bits[kChunk];
+  int64_t r = 0;
   for (int64_t start = first; start < last; start += chunk) {
     const int64_t n = std::min(chunk, last - start), valid = std::max<int64_t>(0, std::min(n, numel - start));
+    for (; r < runs && bounds[2 * r + 1] <= start; ++r) {
+    }
+    for (int64_t q = r; q < runs && bounds[2 * q] < start + valid; ++q) {
+      const int64_t lo = std::max(bounds[2 * q], start), hi = std::min(bounds[2 * q + 1], start + valid);
+      const float beta = betas[2 * q], rest = betas[2 * q + 1];
+      for (int64_t i = lo; i < hi; ++i) {
+        m[i] = m[i] * beta + grad[i] * rest;
+        b[i] = b[i] * beta + std::fabs(grad[i]) * rest;
+      }
+    }
     hvdcomp_uniform(stream_words, draw_first + start, n, noise);
     const float* ms = m + start;
     const float* bs = b + start;

@@ -11,11 +11,13 @@ any order and any chunking, after any resume.
 
 The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks``,
 ``update_moments`` (both moments in one pass, in place), ``draw_lane_words`` / ``draw_bits`` (the draw from
-``m`` and ``b``, and the lane packing, in one pass), ``binarize``, ``mean_from_lane_sums`` (unpack and mean)
-and ``zero_inactive``.
+``m`` and ``b``, and the lane packing, in one pass; on the CPU ``draw_lane_words`` updates the moments in that
+pass too), ``binarize``, ``mean_from_lane_sums`` (unpack and mean) and ``zero_inactive``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -47,6 +49,21 @@ def update_moments(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, beta: f
     """In place, one fused pass over float32 ``[n]`` buffers (no allocation): ``m <- beta m + (1 - beta) g``,
     ``b <- beta b + (1 - beta) |g|``."""
     _update_moments(m, b, grad, float(beta))
+
+
+MomentRuns = Sequence[tuple[int, int, float]]
+"""Ascending, disjoint ``[lo, hi)`` spans of the moment buffers, each with the ``beta`` that updates it."""
+
+
+def update_moment_runs(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, runs: MomentRuns) -> None:
+    """``update_moments`` of each run's span of ``m``, ``b`` from ``grad`` (float32 ``[n]``) with its beta."""
+    for lo, hi, beta in runs:
+        update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], beta)
+
+
+def runs_within(runs: MomentRuns, lo: int, hi: int) -> list[tuple[int, int, float]]:
+    """The parts of ``runs`` inside ``[lo, hi)``, shifted to start from ``lo``."""
+    return [(max(a, lo) - lo, min(c, hi) - lo, beta) for a, c, beta in runs if a < hi and c > lo]
 
 
 def _all_finite_eager(grad: torch.Tensor) -> torch.Tensor:
@@ -146,14 +163,17 @@ def bit_lane_words(bits: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
                           lambda end: bits[end:])
 
 
-def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout,
-                    first: int = 0) -> torch.Tensor:
+def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout: LaneLayout, first: int = 0,
+                    grad: torch.Tensor | None = None, runs: MomentRuns = ()) -> torch.Tensor:
     """``bit_lane_words`` of the draw ``draw_bits(m, b, rng)``, from uniforms ``first ...`` of ``rng`` (elements
-    ``first ...`` of a larger draw, the same bits): the whole blocks in one fused pass (no bit or
-    probability buffer), the last, partial one apart."""
+    ``first ...`` of a larger draw, the same bits), after ``update_moment_runs(m, b, grad, runs)``: the whole
+    blocks in one fused pass (no bit or probability buffer; the moments in the same pass on the CPU), the last,
+    partial one apart."""
     _check_bit_layout(layout, "draw_lane_words")
-    if native.usable(m) and native.usable(b) and first % OUTPUTS_PER_BLOCK == 0:
-        return native.draw_bit_words(m, b, rng, layout.lanes_per_word, layout.lane_width, first)
+    if (native.usable(m) and native.usable(b) and first % OUTPUTS_PER_BLOCK == 0
+            and (not runs or native.usable(grad))):
+        return native.draw_bit_words(m, b, rng, layout.lanes_per_word, layout.lane_width, first, grad, runs)
+    update_moment_runs(m, b, grad, runs)
     shifts = layout.lane_shifts(m.device)
     return in_lane_blocks(m.numel(), shifts,
                           lambda end, out: _draw_lane_blocks(m[:end], b[:end], rng, shifts, first, out),

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..codec.onebit import (
+    MomentRuns,
     binarize,
     bit_lane_words,
     bits_to_signs,
@@ -44,6 +45,7 @@ from ..codec.onebit import (
     draw_lane_words,
     mean_from_counts,
     mean_from_lane_sums,
+    runs_within,
 )
 from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits, lane_block_values
 from ..codec.random import OUTPUTS_PER_BLOCK
@@ -86,13 +88,15 @@ def world_chunks(numel: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def drawn_lane_mean(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lo: int, hi: int, world_size: int,
-                    out: torch.Tensor) -> Exchange:
+                    out: torch.Tensor, grad: torch.Tensor | None = None, runs: MomentRuns = ()) -> Exchange:
     """The exact mean over the workers of their draws of elements ``[lo, hi)`` of float32 ``m`` and ``b``
     (``codec.onebit.draw_lane_words``, uniforms ``lo ...`` of ``rng``: the bits of the whole draw; ``lo`` from
-    ``world_chunks``): one ``Op.SUM`` of lane words, decoded into ``out[lo:]`` (float32; ``hi - lo +
-    bit_padding(layout)`` elements past ``lo`` suffice). Returns that ``[hi - lo]`` view."""
+    ``world_chunks``), after updating those elements' moments over ``runs`` from ``grad`` (in the draw's pass):
+    one ``Op.SUM`` of lane words, decoded into ``out[lo:]`` (float32; ``hi - lo + bit_padding(layout)`` elements
+    past ``lo`` suffice). Returns that ``[hi - lo]`` view."""
     layout = LaneLayout(span=1, world_size=world_size)
-    words = draw_lane_words(m[lo:hi], b[lo:hi], rng, layout, first=lo)
+    words = draw_lane_words(m[lo:hi], b[lo:hi], rng, layout, first=lo,
+                            grad=None if grad is None else grad[lo:hi], runs=runs_within(runs, lo, hi))
     return (yield from lane_words_mean(words, hi - lo, world_size, out[lo:]))
 
 

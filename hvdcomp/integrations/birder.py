@@ -11,9 +11,9 @@ Per worker, with one decay ``beta`` and flat float32 buffers over all parameters
 There is no uncompressed warm-up; learning-rate warm-up works through the usual torch schedulers.
 The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, masking, state, stats.
 
-**Chunks.** The world route sums the draw in chunks (``onebit.world_chunks``) that ``step()`` has in flight
-together (``protocol.drive_overlapped``): a chunk's draw and decode overlap the other chunks' sums, the bits
-and the mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
+**Chunks.** The world route updates the moments, draws and sums in chunks (``onebit.world_chunks``) that
+``step()`` has in flight together (``protocol.drive_overlapped``): a chunk's codec work overlaps the other
+chunks' sums, the bits and the mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
 
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
@@ -66,7 +66,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import gradient_checks, update_moments, zero_inactive
+from ..codec.onebit import gradient_checks, update_moment_runs, zero_inactive
 from ..codec.packing import INT64_WORD_BITS, LaneLayout, lane_block_values
 from ..codec.random import stream_words
 from ..codec.validate import check_real
@@ -335,17 +335,17 @@ class Birder(torch.optim.Optimizer):
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
         keep their moments; their bits travel, as the exchange covers the whole flat buffer)."""
         m, b, numel = self._m, self._b, layout.numel
-        with timed(traffic, "compress_s"):
-            for group, indices in zip(self.param_groups, layout.group_indices):
-                for lo, hi in _runs(layout, indices, updated):
-                    update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], group["beta"])
+        runs = [(lo, hi, group["beta"]) for group, indices in zip(self.param_groups, layout.group_indices)
+                for lo, hi in _runs(layout, indices, updated)]
         draws = self._stream("draw", topo.rank, layout.device)
         self.route = one_bit_route(numel, topo, hierarchical, self.inter_node, self.exchange)
-        if self.route == "world:sum" and topo.size > 1:  # drawn straight into summable lanes, chunk by chunk
-            yield from run_chunks([counted(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean), traffic, topo)
-                                   for lo, hi in world_chunks(numel, topo.size)])
+        if self.route == "world:sum" and topo.size > 1:  # moments and draw per chunk, straight into summable lanes
+            yield from run_chunks([counted(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad, runs),
+                                           traffic, topo) for lo, hi in world_chunks(numel, topo.size)])
             mean = self._mean[:numel]
         else:
+            with timed(traffic, "compress_s"):
+                update_moment_runs(m, b, grad, runs)
             rebinarize = self._stream("rebinarize", topo.rank, layout.device)
             mean = yield from counted(drawn_route_mean(self.route, m, b, draws, rebinarize, topo, self._bits,
                                                        self._mean), traffic, topo)
