@@ -420,6 +420,50 @@ def test_world_route_chunks_are_one_draw(monkeypatch):
     assert chunked_total.inter_node_bytes == total.inter_node_bytes
 
 
+def test_world_route_updates_each_parameter_once_its_chunks_are_summed(monkeypatch):
+    """Over the world route a parameter is updated as soon as the chunk holding its last element is summed
+    (before the next chunk's draw), and chunks leave the parameters and state of one sum, with two groups of
+    their own lr, beta and weight decay."""
+    from hvdcomp.codec import packing
+    from hvdcomp.exchange import onebit
+
+    monkeypatch.setattr(packing, "LANE_BLOCK_WORDS", 4)  # chunks of 124 elements at W = 2
+    shapes = [(100,), (100,), (50, 2), (126,)]  # ending in chunks 0, 1, 2 and 3 of 124 elements
+
+    def run(chunk_elements):
+        monkeypatch.setattr(onebit, "WORLD_CHUNK_ELEMENTS", chunk_elements)
+        params = [[torch.nn.Parameter(torch.ones(shape)) for shape in shapes] for _ in range(2)]
+        opts = [Birder([{"params": p[:2]}, {"params": p[2:], "lr": 0.1, "beta": 0.5, "weight_decay": 0.2}],
+                       lr=0.01, weight_decay=0.1) for p in params]
+        changed, before = [], []
+
+        def on_request(op, tensor):
+            changed.append([not torch.equal(p, q) for p, q in zip(params[0], before)])
+            return op, tensor
+
+        for step in range(2):
+            for rank, ps in enumerate(params):
+                gen = torch.Generator().manual_seed(10 * step + rank)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=gen)
+            changed.clear()
+            before[:] = [p.detach().clone() for p in params[0]]
+            simulate([relay(opts[0].step_exchange(Placement(0, 2, 2)), on_request),
+                      opts[1].step_exchange(Placement(1, 2, 2))], local_size=2)
+        return params, [o.state_dict()["birder"] for o in opts], changed
+
+    whole = onebit.WORLD_CHUNK_ELEMENTS
+    params, states, changed = run(100)
+    assert onebit.world_chunks(426, 2) == [(0, 124), (124, 248), (248, 372), (372, 426)]
+    assert changed == [[False] * 4] + [[True] * k + [False] * (4 - k) for k in range(4)]  # flags; chunks 0 to 3
+    whole_params, whole_states, whole_changed = run(whole)
+    assert whole_changed == [[False] * 4] * 2
+    for a_list, b_list in zip(params, whole_params):
+        assert all(torch.equal(a, b) for a, b in zip(a_list, b_list))
+    for a, b in zip(states, whole_states):
+        assert all(torch.equal(a[key], b[key]) for key in ("m", "b", "active"))
+
+
 def test_resume_is_exact():
     params, opts = _workers(4)
     _run(params, opts, 2, 3)

@@ -13,7 +13,8 @@ The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, mas
 
 **Chunks.** The world route updates the moments, draws and sums in chunks (``onebit.world_chunks``) that
 ``step()`` has in flight together (``protocol.drive_overlapped``): a chunk's codec work overlaps the other
-chunks' sums, the bits and the mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
+chunks' sums, and each parameter is updated once the chunk that holds its end is decoded. The bits and the
+mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
 
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
@@ -61,7 +62,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -75,33 +75,12 @@ from ..exchange.onebit import drawn_lane_mean, drawn_route_mean, one_bit_route, 
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, drive_overlapped, single
 from ..exchange.simulator import simulate
 from ..exchange.stats import Statistics, Traffic, counted, timed
+from .birder_layout import FlatLayout, layout_key
 from .birder_state import birder_state, load_birder_state, resync_birder
 from .launch import resolve_hierarchical
 from .parity import called_by_broadcast_optimizer_state
 
 _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
-
-
-@dataclass
-class _Layout:
-    params: list[torch.Tensor]
-    offsets: list[int]
-    group_indices: list[range]  # each param group's indices into params / offsets
-    numel: int
-    device: torch.device
-    key: tuple
-
-
-def _runs(layout: _Layout, indices: range, updated: list[bool]) -> list[list[int]]:
-    """The ``[lo, hi)`` spans of the flat buffer that hold the ``updated`` parameters among ``indices``."""
-    runs: list[list[int]] = []
-    for i in (i for i in indices if updated[i]):
-        lo, hi = layout.offsets[i], layout.offsets[i] + layout.params[i].numel()
-        if runs and runs[-1][1] == lo:
-            runs[-1][1] = hi
-        else:
-            runs.append([lo, hi])
-    return runs
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -163,7 +142,7 @@ class Birder(torch.optim.Optimizer):
             raise ValueError(f"Birder: exchange must be one of {EXCHANGES}, got {exchange!r}")
         if transport is not None and process_set is not None:
             raise ValueError("Birder: give a transport or a process_set, not both")
-        self._layout: _Layout | None = None
+        self._layout: FlatLayout | None = None
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
         self.hierarchical = resolve_hierarchical(hierarchical, default=True)
         self.inter_node, self.exchange = inter_node, exchange
@@ -202,52 +181,22 @@ class Birder(torch.optim.Optimizer):
 
     # -- buffers ------------------------------------------------------------------------------
 
-    def _current_layout_key(self) -> tuple:
-        return tuple((id(p), p.numel()) for group in self.param_groups for p in group["params"])
-
-    def _ensure_buffers(self) -> _Layout:
-        key = self._current_layout_key()
+    def _ensure_buffers(self) -> FlatLayout:
         if self._layout is not None:
-            if self._layout.key != key:
+            if self._layout.key != layout_key(self.param_groups):
                 raise RuntimeError("Birder: the parameters changed after the first step")
             return self._layout
-        params, offsets, indices, offset = [], [], [], 0
-        for group in self.param_groups:
-            indices.append(range(len(params), len(params) + len(group["params"])))
-            for p in group["params"]:
-                params.append(p)
-                offsets.append(offset)
-                offset += p.numel()
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(f"Birder: all parameters must be on one device, got {sorted(map(str, devices))}")
-        device = devices.pop() if devices else torch.device("cpu")
-        self._layout = _Layout(params, offsets, indices, offset, device, key)
-        zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=device)  # noqa: E731
+        self._layout = layout = FlatLayout.of(self.param_groups)
+        zeros = lambda dtype: torch.zeros(layout.numel, dtype=dtype, device=layout.device)  # noqa: E731
         self._m, self._b, self._grad = (zeros(torch.float32) for _ in range(3))
-        self._mean = torch.zeros(offset + lane_block_values(INT64_WORD_BITS), device=device)  # bit_padding
+        self._mean = torch.zeros(layout.numel + lane_block_values(INT64_WORD_BITS), device=layout.device)  # padding
         self._bits, self._active = zeros(torch.bool), zeros(torch.bool)
-        self._all_active = offset == 0
-        return self._layout
+        self._all_active = layout.numel == 0
+        return layout
 
     def _stream(self, purpose: str, rank: int, device: torch.device) -> torch.Tensor:
         """This worker's random stream for ``purpose`` at this step (``random.stream_words``)."""
         return stream_words(self._step, self.seed, "birder", rank, purpose, device=device)
-
-    def _gather_grads(self, layout: _Layout) -> tuple[torch.Tensor, list[float]]:
-        """The flat gradient (zero for a parameter without one) and, per parameter, 1.0 if it has one."""
-        flat, has_grad = self._grad, []
-        for p, offset in zip(layout.params, layout.offsets):
-            part = flat[offset:offset + p.numel()]
-            grad = p.grad if p.requires_grad else None
-            has_grad.append(float(grad is not None))
-            if grad is None:
-                part.zero_()
-                continue
-            if grad.is_sparse or grad.layout != torch.strided:
-                raise TypeError("Birder does not support sparse gradients")
-            part.copy_(grad.detach().reshape(-1))
-        return flat, has_grad
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -302,7 +251,8 @@ class Birder(torch.optim.Optimizer):
                           "its own state dict", RuntimeWarning, stacklevel=3)
         self._rank = topo.rank
         traffic = self.stats.begin_step()
-        grad, has_grad = self._gather_grads(layout)
+        grad = self._grad
+        has_grad = layout.gather_grads(grad)
 
         finite, fresh_here = gradient_checks(grad, None if self._all_active else self._active)
         flags = torch.tensor([float(not finite), float(finite and fresh_here), numel, -numel, *has_grad],
@@ -330,40 +280,50 @@ class Birder(torch.optim.Optimizer):
         self.stats.end_step()
         return None
 
-    def _update(self, layout: _Layout, grad: torch.Tensor, topo: Topology, hierarchical: bool, updated: list[bool],
+    def _update(self, layout: FlatLayout, grad: torch.Tensor, topo: Topology, hierarchical: bool, updated: list[bool],
                 traffic: Traffic, run_chunks: Callable[[list[Exchange]], Exchange]) -> Exchange:
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
-        keep their moments; their bits travel, as the exchange covers the whole flat buffer)."""
+        keep their moments; their bits travel, as the exchange covers the whole flat buffer), chunk by chunk
+        on the world route."""
         m, b, numel = self._m, self._b, layout.numel
-        runs = [(lo, hi, group["beta"]) for group, indices in zip(self.param_groups, layout.group_indices)
-                for lo, hi in _runs(layout, indices, updated)]
+        runs = layout.moment_runs(self.param_groups, updated)
         draws = self._stream("draw", topo.rank, layout.device)
         self.route = one_bit_route(numel, topo, hierarchical, self.inter_node, self.exchange)
-        if self.route == "world:sum" and topo.size > 1:  # moments and draw per chunk, straight into summable lanes
-            yield from run_chunks([counted(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad, runs),
-                                           traffic, topo) for lo, hi in world_chunks(numel, topo.size)])
-            mean = self._mean[:numel]
+        mean, applied = self._mean[:numel], 0  # the world route decodes into mean; parameters before applied are done
+
+        def apply_through(end: int) -> None:
+            nonlocal applied
+            with timed(traffic, "decompress_s"):
+                applied = self._apply(layout, mean, updated, applied, end)
+
+        if self.route == "world:sum" and topo.size > 1:  # per chunk: moments and draw into summable lanes; update
+            yield from run_chunks([_then(counted(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad,
+                                                                 runs), traffic, topo), apply_through, hi)
+                                   for lo, hi in world_chunks(numel, topo.size)])
         else:
             with timed(traffic, "compress_s"):
                 update_moment_runs(m, b, grad, runs)
             rebinarize = self._stream("rebinarize", topo.rank, layout.device)
             mean = yield from counted(drawn_route_mean(self.route, m, b, draws, rebinarize, topo, self._bits,
                                                        self._mean), traffic, topo)
-        with timed(traffic, "decompress_s"):
-            self._apply(layout, mean, updated)
+        apply_through(numel)
 
-    def _apply(self, layout: _Layout, mean: torch.Tensor, updated: list[bool]) -> None:
-        """``x <- x - lr (u_bar + weight_decay x)`` for the ``updated`` parameters (``u_bar`` 0 where inactive)."""
-        if not self._all_active:
-            zero_inactive(mean, self._active)
+    def _apply(self, layout: FlatLayout, mean: torch.Tensor, updated: list[bool], first: int, end: int) -> int:
+        """``x <- x - lr (u_bar + weight_decay x)`` (``u_bar``: ``mean``, 0 where inactive) for the ``updated``
+        parameters from index ``first`` on that end by element ``end``; returns the first one left."""
+        last = layout.ending_by(first, end)
+        if last > first and not self._all_active:
+            lo, hi = layout.offsets[first], layout.end(last - 1)
+            zero_inactive(mean[lo:hi], self._active[lo:hi])
         with torch.no_grad():
             for group, indices in zip(self.param_groups, layout.group_indices):
                 lr, decay = group["lr"], group["weight_decay"]
-                for i in (i for i in indices if updated[i]):
+                for i in (i for i in range(max(first, indices.start), min(last, indices.stop)) if updated[i]):
                     p, offset = layout.params[i], layout.offsets[i]
                     if decay:
                         p.mul_(1 - lr * decay)
                     p.add_(mean[offset:offset + p.numel()].view_as(p).to(p.dtype), alpha=-lr)
+        return last
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -373,6 +333,13 @@ class Birder(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_birder_state(self, state_dict, super().load_state_dict)
+
+
+def _then(exchange: Exchange, after: Callable[[int], None], end: int) -> Exchange:
+    """``exchange``, then ``after(end)``; the same result."""
+    value = yield from exchange
+    after(end)
+    return value
 
 
 def _in_turn(chunks: list[Exchange]) -> Exchange:
