@@ -257,8 +257,10 @@ def test_gradient_checks_and_masking_fused_equal_eager():
         assert torch.equal(masked[0], masked[1]) and not masked[0][~active].any()
 
 
-@pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])
-def test_birder_steps_fused_equal_eager(world_size, local_size, scope):
+@pytest.mark.parametrize("world_size,local_size,scope,exchange", [(3, 3, "world", "lanes"),
+                                                                   (4, 2, "hierarchical", "lanes"),
+                                                                   (3, 3, "world:two_stage", "two_stage")])
+def test_birder_steps_fused_equal_eager(world_size, local_size, scope, exchange):
     """A few Birder steps (a parameter without gradient, one with zero gradient, > 65536 elements) leave the
     same parameters and state with fused kernels on and off, over all workers and across 2 nodes."""
     shapes = [(300, 221), (7,), (5, 3), (1,)]
@@ -268,7 +270,7 @@ def test_birder_steps_fused_equal_eager(world_size, local_size, scope):
         for _ in range(world_size):
             params = [torch.nn.Parameter(torch.ones(shape)) for shape in shapes]
             workers.append((params, Birder([{"params": params[:2]}, {"params": params[2:], "beta": 0.5}], lr=0.01,
-                                           weight_decay=0.1, seed=4)))
+                                           weight_decay=0.1, seed=4, exchange=exchange)))
         for step in range(3):
             for rank, (params, _) in enumerate(workers):
                 gen = torch.Generator().manual_seed(10 * step + rank)

@@ -16,8 +16,16 @@ import test_fused
 import torch
 
 from hvdcomp.codec import fused, native, recycle
-from hvdcomp.codec.onebit import draw_lane_words, mean_from_lane_sums
-from hvdcomp.codec.packing import LaneLayout, pack_lane_blocks
+from hvdcomp.codec.onebit import (
+    binarize,
+    count_bit_rows,
+    draw_bits,
+    draw_lane_words,
+    mean_from_lane_sums,
+    pack_bit_rows,
+    unpack_bit_rows,
+)
+from hvdcomp.codec.packing import LaneLayout, bits_to_bytes, pack_lane_blocks
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
 from hvdcomp.codec.recycle import ResultBuffers
@@ -309,14 +317,54 @@ def test_birder_moment_runs_are_checked():
         native.draw_bit_words(m, m.clone(), stream_words(0, 0), 31, 2, 0, torch.zeros(99), [(0, 5, 0.9)])
 
 
-@pytest.mark.parametrize("world_size,local_size,scope", [(3, 3, "world"), (4, 2, "hierarchical")])
-def test_birder_steps_equal_eager(world_size, local_size, scope, monkeypatch):
+@pytest.mark.parametrize("world_size,local_size,scope,exchange,kernels", [
+    (3, 3, "world", "lanes", {"draw_bit_words", "counts_mean"}),
+    (4, 2, "hierarchical", "lanes", {"draw_bools", "binarize", "pack_bits", "count_bits"}),
+    (3, 3, "world:two_stage", "two_stage", {"draw_bools", "binarize", "pack_bits", "count_bits", "unpack_bits"})])
+def test_birder_steps_equal_eager(world_size, local_size, scope, exchange, kernels, monkeypatch):
     calls = []
-    for name in ("draw_bit_words", "counts_mean"):
+    for name in kernels:
         kernel = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
-    test_fused.test_birder_steps_fused_equal_eager(world_size, local_size, scope)
-    assert scope == "hierarchical" or {"draw_bit_words", "counts_mean"} <= set(calls)
+    test_fused.test_birder_steps_fused_equal_eager(world_size, local_size, scope, exchange)
+    assert set(calls) == kernels
+
+
+def test_birder_bools_and_binarize_equal_eager(threads, build):
+    """Birder's draw into bools (its moments updated over runs in the same pass) and the re-binarization equal
+    the eager reference, split over threads."""
+    for numel in SIZES:
+        m, b, gen = _moments(numel)
+        m[::7], b[::7] = 0.0, 0.0
+        grad = torch.randn(numel, generator=gen)
+        runs = [run for run in [(0, numel // 2, 0.9), (numel // 2 + 3, numel, 0.5)] if run[0] < run[1]]
+        rng = stream_words(numel, 4, "birder", 1, "draw")
+        (m_native, b_native), (m_eager, b_eager) = [(m.clone(), b.clone()) for _ in range(2)]
+        bits = draw_bits(m_native, b_native, rng, torch.empty(numel, dtype=torch.bool), grad, runs)
+        with fused.eager():
+            want = draw_bits(m_eager, b_eager, rng, torch.empty(numel, dtype=torch.bool), grad, runs)
+        assert torch.equal(bits, want) and torch.equal(m_native, m_eager) and torch.equal(b_native, b_eager), numel
+        prob = torch.rand(numel, generator=gen)
+        prob[::3] = prob[::3].round()  # certain outcomes: 0 and 1
+        for first in (0, 8, 64 * 1001):
+            got, want = _both(binarize, prob, rng, first)
+            assert torch.equal(got, want), (numel, first)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bit_rows_equal_packing(rows, build):
+    """Packing bools into bytes, unpacking them and counting set bits across rows equal ``packing``'s functions."""
+    for numel in SIZES:
+        gen = torch.Generator().manual_seed(numel)
+        bits = torch.rand(rows, numel, generator=gen) < 0.3
+        packed, want = _both(pack_bit_rows, bits)
+        assert torch.equal(packed, want) and torch.equal(pack_bit_rows(bits[0]), bits_to_bytes(bits[0])), numel
+        for size in (numel, max(0, numel - 5)):  # every bit, or fewer than the bytes hold
+            got, want = _both(unpack_bit_rows, packed, size)
+            assert torch.equal(got, want) and torch.equal(unpack_bit_rows(packed[0], size), want[0]), (numel, size)
+            counts, want_counts = _both(count_bit_rows, packed, size)
+            assert counts.dtype == torch.int64 and torch.equal(counts, want_counts), (numel, size)
+        assert torch.equal(want_counts, bits[:, :numel - 5 if numel >= 5 else 0].sum(dim=0))
 
 
 def test_encode_writes_into_out():

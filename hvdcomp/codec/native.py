@@ -1,7 +1,8 @@
 """Hand-written CPU kernels for the single-resolution max-norm codec and Birder: ``native_kernels.cpp``, through ctypes.
 
 QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and decode (unpack, offset, scale),
-and Birder's moments update and draw with its lane packing, and its mean from +1 counts, each run as one pass over
+and Birder's moments update and draw (into lane words or bools), its mean from +1 counts, and its re-binarization
+and bit packing, unpacking and counting for the two-stage and hierarchical routes, each run as one pass over
 the bucket, a few thousand values at a time through stack buffers, with QSGD's per-element scale factor read from
 per-group factors (no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
 (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``). On an AVX2-only CPU, where
@@ -114,9 +115,16 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hvdcomp_uniform.argtypes = [_POINTER, _INT, _INT, _POINTER]
     lib.hvdcomp_draw_bits.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT,
                                       _POINTER, _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_draw_bools.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER,
+                                       _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_binarize.argtypes = [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_pack_bits.argtypes = [_POINTER, _INT, _INT, _POINTER]
+    lib.hvdcomp_unpack_bits.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
+    lib.hvdcomp_count_bits.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
     lib.hvdcomp_counts_mean.argtypes = [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER]
     for function in (lib.hvdcomp_encode, lib.hvdcomp_decode, lib.hvdcomp_uniform, lib.hvdcomp_draw_bits,
-                     lib.hvdcomp_counts_mean):
+                     lib.hvdcomp_draw_bools, lib.hvdcomp_binarize, lib.hvdcomp_pack_bits, lib.hvdcomp_unpack_bits,
+                     lib.hvdcomp_count_bits, lib.hvdcomp_counts_mean):
         function.restype = None
     return lib
 
@@ -221,14 +229,10 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     return means
 
 
-def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: int, width: int, first: int,
-                   grad: torch.Tensor | None = None, runs: Sequence[tuple[int, int, float]] = ()) -> torch.Tensor:
-    """int64 ``[lane_block_words(n, lanes)]``: ``onebit.draw_lane_words`` of flat float32 ``m``, ``b`` (``usable``;
-    ``first``, the draw's first uniform, a multiple of 8), after updating the moments over ``runs`` (ascending,
-    disjoint ``[lo, hi)`` spans of ``[0, n)`` with their beta) from ``grad`` (``usable``), in the same pass."""
-    if first % OUTPUTS_PER_BLOCK:
-        raise ValueError(f"the draw must start at a whole Philox block, not at uniform {first}")
-    rng = rng.to(torch.int64).contiguous()
+def _moment_args(m: torch.Tensor, grad: torch.Tensor | None,
+                 runs: Sequence[tuple[int, int, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient (``m`` itself where there are no runs: not read), the run bounds (int64 ``[2 R]``) and their
+    ``beta, 1 - beta`` (float32 ``[2 R]``) for the kernels that update Birder's moments, checked."""
     numel = m.numel()
     edges = [edge for lo, hi, _ in runs for edge in (lo, hi)]
     if edges != sorted(edges) or (edges and (edges[0] < 0 or edges[-1] > numel)):
@@ -238,7 +242,28 @@ def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: i
         raise ValueError(f"updating the moments needs a gradient of {numel} elements, got {shape}")
     bounds = torch.tensor(edges, dtype=torch.int64)
     betas = torch.tensor([value for _, _, beta in runs for value in (beta, 1.0 - beta)], dtype=torch.float32)
-    grad = grad if runs else m  # not read without runs
+    return (grad if runs else m), bounds, betas
+
+
+def _whole_blocks(numel: int) -> int:
+    """``numel`` rounded up to whole Philox blocks (what ``_in_parallel`` splits; the kernels stop at ``numel``)."""
+    return -(-numel // OUTPUTS_PER_BLOCK) * OUTPUTS_PER_BLOCK
+
+
+def _check_first(first: int) -> None:
+    if first % OUTPUTS_PER_BLOCK:
+        raise ValueError(f"the draw must start at a whole Philox block, not at uniform {first}")
+
+
+def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: int, width: int, first: int,
+                   grad: torch.Tensor | None = None, runs: Sequence[tuple[int, int, float]] = ()) -> torch.Tensor:
+    """int64 ``[lane_block_words(n, lanes)]``: ``onebit.draw_lane_words`` of flat float32 ``m``, ``b`` (``usable``;
+    ``first``, the draw's first uniform, a multiple of 8), after updating the moments over ``runs`` (ascending,
+    disjoint ``[lo, hi)`` spans of ``[0, n)`` with their beta) from ``grad`` (``usable``), in the same pass."""
+    _check_first(first)
+    rng = rng.to(torch.int64).contiguous()
+    numel = m.numel()
+    grad, bounds, betas = _moment_args(m, grad, runs)
     out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
     lib = _Library.handle
 
@@ -248,6 +273,63 @@ def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: i
 
     _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
     return out
+
+
+def draw_bools(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None = None,
+               runs: Sequence[tuple[int, int, float]] = ()) -> torch.Tensor:
+    """``out`` (contiguous bool ``[n]``, CPU) <- ``onebit.draw_bits`` of flat float32 ``m``, ``b`` (``usable``), from
+    uniforms ``0 .. n - 1`` of ``rng``, after updating the moments over ``runs`` (as ``draw_bit_words``)."""
+    numel = m.numel()
+    out = _output(out, numel, torch.bool)
+    rng = rng.to(torch.int64).contiguous()
+    grad, bounds, betas = _moment_args(m, grad, runs)
+    lib = _Library.handle
+
+    def run(lo: int, hi: int) -> None:
+        lib.hvdcomp_draw_bools(m.data_ptr(), b.data_ptr(), grad.data_ptr(), numel, bounds.data_ptr(),
+                               betas.data_ptr(), len(runs), rng.data_ptr(), 0, lo, min(hi, numel), out.data_ptr())
+
+    _in_parallel(run, _whole_blocks(numel), OUTPUTS_PER_BLOCK)
+    return out
+
+
+def binarize(prob: torch.Tensor, rng: torch.Tensor, first: int) -> torch.Tensor:
+    """bool ``[n]``: ``onebit.binarize(prob, rng, first)`` of flat float32 ``prob`` (``usable``; ``first`` a multiple
+    of 8)."""
+    _check_first(first)
+    rng = rng.to(torch.int64).contiguous()
+    out = torch.empty(prob.numel(), dtype=torch.bool)
+    lib = _Library.handle
+
+    def run(lo: int, hi: int) -> None:
+        lib.hvdcomp_binarize(prob.data_ptr(), rng.data_ptr(), first, lo, min(hi, prob.numel()), out.data_ptr())
+
+    _in_parallel(run, _whole_blocks(prob.numel()), OUTPUTS_PER_BLOCK)
+    return out
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[rows, ceil(n / 8)]``: ``packing.bits_to_bytes`` of contiguous bool ``[rows, n]`` (CPU)."""
+    rows, numel = bits.shape
+    out = torch.empty(rows, -(-numel // 8), dtype=torch.uint8)
+    _Library.handle.hvdcomp_pack_bits(bits.data_ptr(), rows, numel, out.data_ptr())
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """bool ``[rows, numel]``: ``packing.bytes_to_bits`` of contiguous uint8 ``[rows, bytes]`` (CPU)."""
+    rows, size = packed.shape
+    out = torch.empty(rows, numel, dtype=torch.bool)
+    _Library.handle.hvdcomp_unpack_bits(packed.data_ptr(), rows, size, numel, out.data_ptr())
+    return out
+
+
+def count_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """int64 ``[numel]``: per bit, how many rows of contiguous uint8 ``[rows, bytes]`` (CPU) have it set."""
+    rows, size = packed.shape
+    counts = torch.empty(numel, dtype=torch.int64)
+    _Library.handle.hvdcomp_count_bits(packed.data_ptr(), rows, size, numel, counts.data_ptr())
+    return counts
 
 
 def counts_mean(word_sums: torch.Tensor, lanes: int, width: int, group: int, out: torch.Tensor) -> torch.Tensor:

@@ -200,6 +200,44 @@ void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t w
 
 int64_t chunk_values(int64_t lanes) { return std::max<int64_t>(1, kChunk / (kBlockWords * lanes)) * kBlockWords * lanes; }
 
+// kByteBits[p]: the 8 bits of byte p, least significant first, one per byte (0 or 1).
+const struct ByteBits {
+  uint64_t spread[256];
+  ByteBits() {
+    for (int p = 0; p < 256; ++p) {
+      spread[p] = 0;
+      for (int j = 0; j < 8; ++j) spread[p] |= static_cast<uint64_t>((p >> j) & 1) << (8 * j);
+    }
+  }
+  const uint64_t& operator[](uint8_t p) const { return spread[p]; }
+} kByteBits;
+
+// Birder's moments of values [start, start + n) inside the runs from r on (hvdcomp_draw_bits says how); returns the
+// first run that may reach values past start + n.
+inline int64_t update_moments(float* m, float* b, const float* grad, const int64_t* bounds, const float* betas,
+                              int64_t runs, int64_t r, int64_t start, int64_t n) {
+  for (; r < runs && bounds[2 * r + 1] <= start; ++r) {
+  }
+  for (int64_t q = r; q < runs && bounds[2 * q] < start + n; ++q) {
+    const int64_t lo = std::max(bounds[2 * q], start), hi = std::min(bounds[2 * q + 1], start + n);
+    const float beta = betas[2 * q], rest = betas[2 * q + 1];
+    for (int64_t i = lo; i < hi; ++i) {
+      m[i] = m[i] * beta + grad[i] * rest;
+      b[i] = b[i] * beta + std::fabs(grad[i]) * rest;
+    }
+  }
+  return r;
+}
+
+// Birder's bits of n values from their uniforms: (v b < m) | (b == 0 & v < 0), v = 2 U - 1.
+template <typename Bit>
+inline void draw_tile(const float* m, const float* b, const float* noise, int64_t n, Bit* bits) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = noise[i] * 2.0f - 1.0f;
+    bits[i] = (v * b[i] < m[i]) | ((b[i] == 0.0f) & (v < 0.0f));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -288,26 +326,81 @@ void hvdcomp_draw_bits(float* m, float* b, const float* grad, int64_t numel, con
   int64_t r = 0;
   for (int64_t start = first; start < last; start += chunk) {
     const int64_t n = std::min(chunk, last - start), valid = std::max<int64_t>(0, std::min(n, numel - start));
-    for (; r < runs && bounds[2 * r + 1] <= start; ++r) {
-    }
-    for (int64_t q = r; q < runs && bounds[2 * q] < start + valid; ++q) {
-      const int64_t lo = std::max(bounds[2 * q], start), hi = std::min(bounds[2 * q + 1], start + valid);
-      const float beta = betas[2 * q], rest = betas[2 * q + 1];
-      for (int64_t i = lo; i < hi; ++i) {
-        m[i] = m[i] * beta + grad[i] * rest;
-        b[i] = b[i] * beta + std::fabs(grad[i]) * rest;
-      }
-    }
+    r = update_moments(m, b, grad, bounds, betas, runs, r, start, valid);
     hvdcomp_uniform(stream_words, draw_first + start, n, noise);
-    const float* ms = m + start;
-    const float* bs = b + start;
-    for (int64_t i = 0; i < valid; ++i) {
-      const float v = noise[i] * 2.0f - 1.0f;
-      bits[i] = (v * bs[i] < ms[i]) | ((bs[i] == 0.0f) & (v < 0.0f));
-    }
+    draw_tile(m + start, b + start, noise, valid, bits);
     std::fill(bits + valid, bits + n, 0);
     pack_lane_blocks(bits, n, lanes, width, out + start / lanes);
   }
+}
+
+// The same moments and bits for values [first, last) of [0, numel) (first a multiple of 8), one uint8 0 / 1 per value
+// into out[first ..] (onebit._draw_eager).
+void hvdcomp_draw_bools(float* m, float* b, const float* grad, int64_t numel, const int64_t* bounds,
+                        const float* betas, int64_t runs, const int64_t* stream_words, int64_t draw_first,
+                        int64_t first, int64_t last, uint8_t* out) {
+  alignas(32) float noise[kChunk + 64];
+  int64_t r = 0;
+  for (int64_t start = first; start < last; start += kChunk) {
+    const int64_t n = std::min(kChunk, last - start);
+    r = update_moments(m, b, grad, bounds, betas, runs, r, start, n);
+    hvdcomp_uniform(stream_words, draw_first + start, (n + 7) / 8 * 8, noise);
+    draw_tile(m + start, b + start, noise, n, out + start);
+  }
+}
+
+// Bits of values [first, last) (first a multiple of 8): value i is 1 when the stream's uniform draw_first + i is below
+// prob[i] (onebit._binarize_eager), one uint8 0 / 1 per value into out[first ..].
+void hvdcomp_binarize(const float* prob, const int64_t* stream_words, int64_t draw_first, int64_t first,
+                      int64_t last, uint8_t* out) {
+  alignas(32) float noise[kChunk + 64];
+  for (int64_t start = first; start < last; start += kChunk) {
+    const int64_t n = std::min(kChunk, last - start);
+    hvdcomp_uniform(stream_words, draw_first + start, (n + 7) / 8 * 8, noise);
+    for (int64_t i = 0; i < n; ++i) out[start + i] = noise[i] < prob[start + i];
+  }
+}
+
+// Rows of n uint8 0 / 1 values into rows of ceil(n / 8) bytes, least significant bit first, zeros past n
+// (packing.bits_to_bytes).
+void hvdcomp_pack_bits(const uint8_t* bits, int64_t rows, int64_t n, uint8_t* out) {
+  const int64_t bytes = (n + 7) / 8;
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint8_t* v = bits + row * n;
+    uint8_t* o = out + row * bytes;
+    for (int64_t k = 0; k < n / 8; ++k) {
+      uint64_t word;
+      std::memcpy(&word, v + 8 * k, 8);
+      o[k] = static_cast<uint8_t>(((word & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
+    }
+    if (n % 8) {
+      uint8_t last = 0;
+      for (int64_t j = 0; j < n % 8; ++j) last |= static_cast<uint8_t>((v[n / 8 * 8 + j] & 1) << j);
+      o[n / 8] = last;
+    }
+  }
+}
+
+// Rows of `bytes` bytes into rows of n uint8 0 / 1 values (n <= 8 bytes; packing.bytes_to_bits).
+void hvdcomp_unpack_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int64_t n, uint8_t* out) {
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint8_t* p = packed + row * bytes;
+    uint8_t* o = out + row * n;
+    for (int64_t k = 0; k < n / 8; ++k) std::memcpy(o + 8 * k, &kByteBits[p[k]], 8);
+    for (int64_t j = n / 8 * 8; j < n; ++j) o[j] = (p[j / 8] >> (j % 8)) & 1;
+  }
+}
+
+// counts[i] <- how many of the rows have bit i set (i < n; rows of `bytes` bytes, least significant bit first).
+void hvdcomp_count_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int64_t n, int64_t* counts) {
+  std::fill(counts, counts + n, 0);
+  alignas(32) uint8_t bits[kChunk];
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t start = 0; start < n; start += kChunk) {
+      const int64_t m = std::min(kChunk, n - start);
+      hvdcomp_unpack_bits(packed + row * bytes + start / 8, 1, (m + 7) / 8, m, bits);
+      for (int64_t i = 0; i < m; ++i) counts[start + i] += bits[i];
+    }
 }
 
 // Means of values [first, last) (whole lane blocks) from summed words of +1 counts over `group` workers into

@@ -12,7 +12,9 @@ any order and any chunking, after any resume.
 The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks``,
 ``update_moments`` (both moments in one pass, in place), ``draw_lane_words`` / ``draw_bits`` (the draw from
 ``m`` and ``b``, and the lane packing, in one pass; on the CPU ``draw_lane_words`` updates the moments in that
-pass too), ``binarize``, ``mean_from_lane_sums`` (unpack and mean) and ``zero_inactive``.
+pass too, and so does ``draw_bits``), ``binarize``, ``mean_from_lane_sums`` (unpack and mean) and
+``zero_inactive``; on the CPU ``pack_bit_rows``, ``unpack_bit_rows`` and ``count_bit_rows`` (the bytes of the
+two-stage and hierarchical exchanges) run natively too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from .fused import FusedKernel
 from .packing import (
     LaneLayout,
     as_uint8,
+    bits_to_bytes,
+    bytes_to_bits,
     in_lane_blocks,
     in_word_blocks,
     lane_block_values,
@@ -57,6 +61,8 @@ MomentRuns = Sequence[tuple[int, int, float]]
 
 def update_moment_runs(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, runs: MomentRuns) -> None:
     """``update_moments`` of each run's span of ``m``, ``b`` from ``grad`` (float32 ``[n]``) with its beta."""
+    if runs and grad is None:
+        raise ValueError("updating the moments needs a gradient, got None")
     for lo, hi, beta in runs:
         update_moments(m[lo:hi], b[lo:hi], grad[lo:hi], beta)
 
@@ -136,15 +142,48 @@ def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torc
     """Bits (bool, ``prob_plus``'s shape; True for +1): element ``i`` is True when uniform ``first + i`` of the
     stream ``rng`` (int64 ``[4]`` words, ``random.stream_words``) is below
     ``prob_plus[i]`` (float32 in [0, 1]), i.e. with that probability."""
+    if native.usable(prob_plus) and first % OUTPUTS_PER_BLOCK == 0:
+        return native.binarize(prob_plus.reshape(-1), rng, first).view(prob_plus.shape)
     return _binarize(prob_plus, rng, first)
 
 
-def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None = None,
+              runs: MomentRuns = ()) -> torch.Tensor:
     """``out`` (bool ``[n]``) <- the ±1 draw ``u`` of float32 moments ``m``, ``b`` ``[n]`` (``|m| <= b``): True (+1)
     with probability ``(1 + z) / 2`` for ``z = m / b`` (``E[u] = z``; 1/2 where ``b == 0``), from uniforms
-    ``0 .. n - 1`` of the stream ``rng``, in one fused pass; returns ``out``."""
+    ``0 .. n - 1`` of the stream ``rng``, after ``update_moment_runs(m, b, grad, runs)``, in one fused pass (the
+    moments in the same pass on the CPU); returns ``out``."""
+    if (native.usable(m) and native.usable(b) and native.usable(out, torch.bool)
+            and (not runs or grad is None or native.usable(grad))):
+        return native.draw_bools(m, b, rng, out, grad, runs)
+    update_moment_runs(m, b, grad, runs)
     _draw_bits(m, b, rng, out)
     return out
+
+
+def pack_bit_rows(bits: torch.Tensor) -> torch.Tensor:
+    """``packing.bits_to_bytes`` of bool ``[n]`` or ``[rows, n]`` (uint8 ``[..., ceil(n / 8)]``, least significant
+    bit first), natively on the CPU."""
+    if bits.dim() in (1, 2) and native.usable(bits, torch.bool):
+        packed = native.pack_bits(bits.view(len(bits) if bits.dim() == 2 else 1, bits.shape[-1]))
+        return packed if bits.dim() == 2 else packed[0]
+    return bits_to_bytes(bits)
+
+
+def unpack_bit_rows(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """``packing.bytes_to_bits(packed, numel)`` of uint8 ``[bytes]`` or ``[rows, bytes]``, natively on the CPU."""
+    if packed.dim() in (1, 2) and native.usable(packed, torch.uint8) and packed.shape[-1] * 8 >= numel:
+        bits = native.unpack_bits(packed.view(len(packed) if packed.dim() == 2 else 1, packed.shape[-1]), numel)
+        return bits if packed.dim() == 2 else bits[0]
+    return bytes_to_bits(packed, numel)
+
+
+def count_bit_rows(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """int64 ``[numel]``: for each of the first ``numel`` bits, how many rows of uint8 ``[rows, bytes]`` (as
+    ``pack_bit_rows`` packs them) have it set, natively on the CPU."""
+    if packed.dim() == 2 and native.usable(packed, torch.uint8) and packed.shape[-1] * 8 >= numel:
+        return native.count_bits(packed, numel)
+    return bytes_to_bits(packed, numel).sum(dim=0, dtype=torch.int64)
 
 
 def _check_bit_layout(layout: LaneLayout, caller: str) -> None:
@@ -171,7 +210,7 @@ def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout:
     partial one apart."""
     _check_bit_layout(layout, "draw_lane_words")
     if (native.usable(m) and native.usable(b) and first % OUTPUTS_PER_BLOCK == 0
-            and (not runs or native.usable(grad))):
+            and (not runs or grad is None or native.usable(grad))):
         return native.draw_bit_words(m, b, rng, layout.lanes_per_word, layout.lane_width, first, grad, runs)
     update_moment_runs(m, b, grad, runs)
     shifts = layout.lane_shifts(m.device)
@@ -180,9 +219,11 @@ def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout:
                           lambda end: _draw_eager(m[end:], b[end:], rng, first + end))
 
 
-def bits_to_signs(bits: torch.Tensor) -> torch.Tensor:
-    """float32 ±1 from bits (True for +1)."""
-    return bits.to(torch.float32).mul_(2).sub_(1)
+def bits_to_signs(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ±1 from bits (True for +1), into ``out`` (float32, ``bits``' shape) if given."""
+    if out is None:
+        return bits.to(torch.float32).mul_(2).sub_(1)
+    return out.copy_(bits).mul_(2).sub_(1)
 
 
 def mean_from_counts(counts: torch.Tensor, group: int) -> torch.Tensor:

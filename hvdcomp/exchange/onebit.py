@@ -41,13 +41,16 @@ from ..codec.onebit import (
     binarize,
     bit_lane_words,
     bits_to_signs,
+    count_bit_rows,
     draw_bits,
     draw_lane_words,
     mean_from_counts,
     mean_from_lane_sums,
+    pack_bit_rows,
     runs_within,
+    unpack_bit_rows,
 )
-from ..codec.packing import LaneLayout, as_uint8, bits_to_bytes, bytes_to_bits, lane_block_values
+from ..codec.packing import LaneLayout, as_uint8, lane_block_values
 from ..codec.random import OUTPUTS_PER_BLOCK
 from .cost import INTER_NODE_VARIANTS, choose_inter_node
 from .hierarchy import across_nodes, shard_bounds, shard_length
@@ -101,10 +104,12 @@ def drawn_lane_mean(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lo: int
 
 
 def drawn_route_mean(route: str, m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, rebinarize: torch.Tensor,
-                     topology: Topology, bits: torch.Tensor, out: torch.Tensor | None = None) -> Exchange:
-    """``route_mean`` of this worker's draw ``codec.onebit.draw_bits(m, b, rng, bits)`` (``bits``: bool, ``m``'s
-    size), re-binarizing from the stream ``rebinarize``."""
-    return (yield from route_mean(route, draw_bits(m, b, rng, bits), rebinarize, topology, out))
+                     topology: Topology, bits: torch.Tensor, out: torch.Tensor | None = None,
+                     grad: torch.Tensor | None = None, runs: MomentRuns = ()) -> Exchange:
+    """``route_mean`` of this worker's draw ``codec.onebit.draw_bits(m, b, rng, bits, grad, runs)`` (``bits``: bool,
+    ``m``'s size; the moments over ``runs`` updated first, in the draw's pass), re-binarizing from the stream
+    ``rebinarize``."""
+    return (yield from route_mean(route, draw_bits(m, b, rng, bits, grad, runs), rebinarize, topology, out))
 
 
 def hierarchical_one_bit_mean(
@@ -148,8 +153,8 @@ def hierarchical_one_bit_mean(
         counts = node_means.to(torch.int64)
         span = 1
     elif variant == "allgather":
-        gathered = yield Op.CROSS_ALLGATHER_EQUAL, bits_to_bytes(node_bits)
-        counts = bytes_to_bits(gathered.view(num_nodes, -1), chunk).sum(dim=0, dtype=torch.int64)
+        gathered = yield Op.CROSS_ALLGATHER_EQUAL, pack_bit_rows(node_bits)
+        counts = count_bit_rows(gathered.view(num_nodes, -1), chunk)
     else:
         cross_layout = LaneLayout(span=1, world_size=num_nodes)
         word_sums = yield Op.CROSS_SUM, cross_layout.pack(as_uint8(node_bits), validate=False)
@@ -177,13 +182,15 @@ def two_stage_one_bit_mean(bits: torch.Tensor, rng: torch.Tensor, group_size: in
     if group_size == 1 or numel == 0:
         return bits
     part = shard_length(numel, group_size)
-    padded = torch.zeros(group_size * part, dtype=torch.bool, device=bits.device)
-    padded[:numel] = bits
-    received = yield Op.ALLTOALL, bits_to_bytes(padded.view(group_size, part)).reshape(-1)
-    counts = bytes_to_bits(received.view(group_size, -1), part).sum(dim=0, dtype=torch.int64)
+    padded = bits
+    if group_size * part != numel:
+        padded = torch.zeros(group_size * part, dtype=torch.bool, device=bits.device)
+        padded[:numel] = bits
+    received = yield Op.ALLTOALL, pack_bit_rows(padded.view(group_size, part)).reshape(-1)
+    counts = count_bit_rows(received.view(group_size, -1), part)
     mine = binarize(counts.to(torch.float32).div_(group_size), rng, first)
-    gathered = yield Op.ALLGATHER_EQUAL, bits_to_bytes(mine)
-    return bytes_to_bits(gathered.view(group_size, -1), part).reshape(-1)[:numel]
+    gathered = yield Op.ALLGATHER_EQUAL, pack_bit_rows(mine)
+    return unpack_bit_rows(gathered.view(group_size, -1), part).reshape(-1)[:numel]
 
 
 def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node: str, exchange: str) -> str:
@@ -202,12 +209,13 @@ def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node
 def route_mean(route: str, bits: torch.Tensor, rng: torch.Tensor, topology: Topology,
                out: torch.Tensor | None = None) -> Exchange:
     """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``), re-binarizing
-    from the stream ``rng``; the route ``"world:sum"`` decodes it into ``out`` (as ``one_bit_mean``) if given,
-    the others return a new tensor."""
+    from the stream ``rng``; the routes ``"world:sum"`` (as ``one_bit_mean``) and ``"world:two_stage"`` write it
+    into ``out`` if given (``bits.numel()`` elements and ``bit_padding``), the others return a new tensor."""
     scope, variant = route.split(":")
     if scope == "hierarchical":
         return (yield from hierarchical_one_bit_mean(bits, rng, topology.local_size, topology.local_rank,
                                                      topology.cross_size, variant))
     if variant == "two_stage":
-        return bits_to_signs((yield from two_stage_one_bit_mean(bits.reshape(-1), rng, topology.size)))
+        drawn = yield from two_stage_one_bit_mean(bits.reshape(-1), rng, topology.size)
+        return bits_to_signs(drawn, None if out is None else out[:drawn.numel()])
     return (yield from one_bit_mean(bits.reshape(-1), topology.size, out))

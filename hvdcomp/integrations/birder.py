@@ -66,7 +66,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import gradient_checks, update_moment_runs, zero_inactive
+from ..codec.onebit import gradient_checks, zero_inactive
 from ..codec.packing import INT64_WORD_BITS, LaneLayout, lane_block_values
 from ..codec.random import stream_words
 from ..codec.validate import check_real
@@ -301,11 +301,9 @@ class Birder(torch.optim.Optimizer):
                                                                  runs), traffic, topo), apply_through, hi)
                                    for lo, hi in world_chunks(numel, topo.size)])
         else:
-            with timed(traffic, "compress_s"):
-                update_moment_runs(m, b, grad, runs)
             rebinarize = self._stream("rebinarize", topo.rank, layout.device)
             mean = yield from counted(drawn_route_mean(self.route, m, b, draws, rebinarize, topo, self._bits,
-                                                       self._mean), traffic, topo)
+                                                       self._mean, grad, runs), traffic, topo)
         apply_through(numel)
 
     def _apply(self, layout: FlatLayout, mean: torch.Tensor, updated: list[bool], first: int, end: int) -> int:
