@@ -18,12 +18,17 @@ import torch
 from hvdcomp.codec import fused, native, recycle
 from hvdcomp.codec.onebit import (
     binarize,
+    binarize_counts,
     count_bit_rows,
     draw_bits,
     draw_lane_words,
+    mean_from_counts,
+    mean_from_lane_counts,
     mean_from_lane_sums,
     pack_bit_rows,
+    pack_lane_values,
     unpack_bit_rows,
+    unpack_lane_values,
 )
 from hvdcomp.codec.packing import LaneLayout, bits_to_bytes, pack_lane_blocks
 from hvdcomp.codec.quantize import MaxNormQuantizer
@@ -319,8 +324,10 @@ def test_birder_moment_runs_are_checked():
 
 @pytest.mark.parametrize("world_size,local_size,scope,exchange,kernels", [
     (3, 3, "world", "lanes", {"draw_bit_words", "counts_mean"}),
-    (4, 2, "hierarchical", "lanes", {"draw_bools", "binarize", "pack_bits", "count_bits"}),
-    (3, 3, "world:two_stage", "two_stage", {"draw_bools", "binarize", "pack_bits", "count_bits", "unpack_bits"})])
+    (4, 2, "hierarchical", "lanes", {"draw_bools", "binarize_counts", "pack_bits", "count_bits", "unpack_lanes",
+                                      "pack_lanes", "lane_counts_mean"}),
+    (3, 3, "world:two_stage", "two_stage", {"draw_bools", "binarize_counts", "pack_bits", "count_bits",
+                                            "unpack_bits"})])
 def test_birder_steps_equal_eager(world_size, local_size, scope, exchange, kernels, monkeypatch):
     calls = []
     for name in kernels:
@@ -346,9 +353,37 @@ def test_birder_bools_and_binarize_equal_eager(threads, build):
         assert torch.equal(bits, want) and torch.equal(m_native, m_eager) and torch.equal(b_native, b_eager), numel
         prob = torch.rand(numel, generator=gen)
         prob[::3] = prob[::3].round()  # certain outcomes: 0 and 1
+        counts = torch.randint(0, 4, (numel,), generator=gen)
         for first in (0, 8, 64 * 1001):
             got, want = _both(binarize, prob, rng, first)
             assert torch.equal(got, want), (numel, first)
+            for length in (numel, numel + 13):  # the bits past the counts are False
+                got, want = _both(binarize_counts, counts, 3, length, rng, first)
+                assert torch.equal(got, want) and not got[numel:].any(), (numel, first, length)
+
+
+@pytest.mark.parametrize("span,world_size", [(1, 2), (1, 3), (2, 1), (5, 1), (1, 1 << 20)])
+def test_consecutive_lanes_equal_packing(span, world_size, build):
+    """Words of consecutive lanes (the hierarchical route's), their sums and the means of +1 counts in them equal
+    ``LaneLayout``'s functions and ``mean_from_counts``."""
+    layout = LaneLayout(span=span, world_size=world_size)
+    for numel in SIZES:
+        gen = torch.Generator().manual_seed(numel)
+        values = torch.randint(0, span + 1, (numel,), generator=gen)
+        words, want = _both(pack_lane_values, layout, values)
+        assert torch.equal(words, want), numel
+        sums = words * world_size  # every worker sent these values
+        got, want = _both(unpack_lane_values, layout, sums, numel)
+        assert torch.equal(got, want) and torch.equal(got, values * world_size), numel
+        group = span * world_size
+        means = [torch.full((numel + 3,), 7.0) for _ in range(2)]
+        mean_from_lane_counts(layout, sums, numel, group, means[0][:numel])
+        with fused.eager():
+            mean_from_lane_counts(layout, sums, numel, group, means[1][:numel])
+        assert torch.equal(means[0], means[1]) and (means[0][numel:] == 7.0).all(), numel
+        assert torch.equal(means[0][:numel], mean_from_counts(values * world_size, group)), numel
+    with pytest.raises(ValueError, match="cannot hold"):
+        unpack_lane_values(layout, torch.zeros(3, dtype=torch.int64), 1000)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

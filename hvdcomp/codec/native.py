@@ -107,25 +107,31 @@ def _load() -> ctypes.CDLL:
     return declare(ctypes.CDLL(str(path)))
 
 
+_SIGNATURES = {  # each kernel's argument types (all return nothing)
+    "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER],
+    "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_uniform": [_POINTER, _INT, _INT, _POINTER],
+    "hvdcomp_draw_bits": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT,
+                          _INT, _INT, _POINTER],
+    "hvdcomp_draw_bools": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT,
+                           _POINTER],
+    "hvdcomp_binarize": [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_binarize_counts": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_pack_bits": [_POINTER, _INT, _INT, _POINTER],
+    "hvdcomp_unpack_bits": [_POINTER, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_count_bits": [_POINTER, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_pack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_unpack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_lane_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER],
+}
+
+
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` (a build of ``SOURCE``) with its functions' argument types declared."""
-    lib.hvdcomp_encode.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT,
-                                   _POINTER]
-    lib.hvdcomp_decode.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER]
-    lib.hvdcomp_uniform.argtypes = [_POINTER, _INT, _INT, _POINTER]
-    lib.hvdcomp_draw_bits.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT,
-                                      _POINTER, _INT, _INT, _INT, _POINTER]
-    lib.hvdcomp_draw_bools.argtypes = [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER,
-                                       _INT, _INT, _INT, _POINTER]
-    lib.hvdcomp_binarize.argtypes = [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER]
-    lib.hvdcomp_pack_bits.argtypes = [_POINTER, _INT, _INT, _POINTER]
-    lib.hvdcomp_unpack_bits.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
-    lib.hvdcomp_count_bits.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER]
-    lib.hvdcomp_counts_mean.argtypes = [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER]
-    for function in (lib.hvdcomp_encode, lib.hvdcomp_decode, lib.hvdcomp_uniform, lib.hvdcomp_draw_bits,
-                     lib.hvdcomp_draw_bools, lib.hvdcomp_binarize, lib.hvdcomp_pack_bits, lib.hvdcomp_unpack_bits,
-                     lib.hvdcomp_count_bits, lib.hvdcomp_counts_mean):
-        function.restype = None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
     return lib
 
 
@@ -308,6 +314,21 @@ def binarize(prob: torch.Tensor, rng: torch.Tensor, first: int) -> torch.Tensor:
     return out
 
 
+def binarize_counts(counts: torch.Tensor, group: int, length: int, rng: torch.Tensor, first: int) -> torch.Tensor:
+    """bool ``[length]``: ``onebit.binarize_counts`` of contiguous int64 ``counts`` (CPU; ``first`` a multiple of 8)."""
+    _check_first(first)
+    rng = rng.to(torch.int64).contiguous()
+    out = torch.empty(length, dtype=torch.bool)
+    lib = _Library.handle
+
+    def run(lo: int, hi: int) -> None:
+        lib.hvdcomp_binarize_counts(counts.data_ptr(), counts.numel(), group, rng.data_ptr(), first, lo,
+                                    min(hi, length), out.data_ptr())
+
+    _in_parallel(run, _whole_blocks(length), OUTPUTS_PER_BLOCK)
+    return out
+
+
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """uint8 ``[rows, ceil(n / 8)]``: ``packing.bits_to_bytes`` of contiguous bool ``[rows, n]`` (CPU)."""
     rows, numel = bits.shape
@@ -321,6 +342,30 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     rows, size = packed.shape
     out = torch.empty(rows, numel, dtype=torch.bool)
     _Library.handle.hvdcomp_unpack_bits(packed.data_ptr(), rows, size, numel, out.data_ptr())
+    return out
+
+
+def pack_lanes(values: torch.Tensor, lanes: int, width: int) -> torch.Tensor:
+    """int64 ``[ceil(n / lanes)]``: contiguous int64 ``values`` ``[n]`` (CPU; in ``[0, 2**width)``) in consecutive
+    lanes (``packing.LaneLayout.pack`` without an offset)."""
+    words = torch.empty(-(-values.numel() // lanes), dtype=torch.int64)
+    _Library.handle.hvdcomp_pack_lanes(values.data_ptr(), values.numel(), lanes, width, words.data_ptr())
+    return words
+
+
+def unpack_lanes(words: torch.Tensor, numel: int, lanes: int, width: int) -> torch.Tensor:
+    """int64 ``[numel]``: the first ``numel`` lane values of contiguous int64 ``words`` (CPU) of consecutive lanes."""
+    values = torch.empty(numel, dtype=torch.int64)
+    _Library.handle.hvdcomp_unpack_lanes(words.data_ptr(), numel, lanes, width, values.data_ptr())
+    return values
+
+
+def lane_counts_mean(words: torch.Tensor, numel: int, lanes: int, width: int, group: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """``out`` (contiguous float32 ``[numel]``, CPU) <- ``(2 c - group) / group`` of the first ``numel`` counts ``c``
+    in contiguous int64 ``words`` (CPU) of consecutive lanes; returns ``out``."""
+    out = _output(out, numel, torch.float32)
+    _Library.handle.hvdcomp_lane_counts_mean(words.data_ptr(), numel, lanes, width, group, out.data_ptr())
     return out
 
 

@@ -361,6 +361,20 @@ void hvdcomp_binarize(const float* prob, const int64_t* stream_words, int64_t dr
   }
 }
 
+// The same for prob[i] = counts[i] / group (float32) below `valid`, 0 from there on (a count of +1s among `group`
+// values re-binarized: onebit.binarize_counts).
+void hvdcomp_binarize_counts(const int64_t* counts, int64_t valid, int64_t group, const int64_t* stream_words,
+                             int64_t draw_first, int64_t first, int64_t last, uint8_t* out) {
+  alignas(32) float noise[kChunk + 64];
+  const float divisor = static_cast<float>(group);
+  for (int64_t start = first; start < last; start += kChunk) {
+    const int64_t n = std::min(kChunk, last - start), m = std::max<int64_t>(0, std::min(n, valid - start));
+    hvdcomp_uniform(stream_words, draw_first + start, (n + 7) / 8 * 8, noise);
+    for (int64_t i = 0; i < m; ++i) out[start + i] = noise[i] < static_cast<float>(counts[start + i]) / divisor;
+    std::fill(out + start + m, out + start + n, 0);
+  }
+}
+
 // Rows of n uint8 0 / 1 values into rows of ceil(n / 8) bytes, least significant bit first, zeros past n
 // (packing.bits_to_bytes).
 void hvdcomp_pack_bits(const uint8_t* bits, int64_t rows, int64_t n, uint8_t* out) {
@@ -388,6 +402,39 @@ void hvdcomp_unpack_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int
     uint8_t* o = out + row * n;
     for (int64_t k = 0; k < n / 8; ++k) std::memcpy(o + 8 * k, &kByteBits[p[k]], 8);
     for (int64_t j = n / 8 * 8; j < n; ++j) o[j] = (p[j / 8] >> (j % 8)) & 1;
+  }
+}
+
+// Words of consecutive lanes (LaneLayout.pack without offset): word w <- the sum over l < L of values[w L + l] << (l
+// width), for the n int64 values (non-negative, below 2**width; the last word's missing lanes 0).
+void hvdcomp_pack_lanes(const int64_t* values, int64_t n, int64_t lanes, int64_t width, int64_t* words) {
+  for (int64_t w = 0; w < (n + lanes - 1) / lanes; ++w) {
+    const int64_t count = std::min(lanes, n - w * lanes);
+    int64_t word = 0;
+    for (int64_t l = 0; l < count; ++l) word += values[w * lanes + l] << (l * width);
+    words[w] = word;
+  }
+}
+
+// The n lane values of words of consecutive lanes (LaneLayout.unpack without offset): values[i] <- (words[i / L] >>
+// (i % L) width) & mask.
+void hvdcomp_unpack_lanes(const int64_t* words, int64_t n, int64_t lanes, int64_t width, int64_t* values) {
+  const int64_t mask = (int64_t{1} << width) - 1;
+  for (int64_t w = 0; w < (n + lanes - 1) / lanes; ++w) {
+    const int64_t count = std::min(lanes, n - w * lanes), word = words[w];
+    for (int64_t l = 0; l < count; ++l) values[w * lanes + l] = (word >> (l * width)) & mask;
+  }
+}
+
+// means[i] <- (2 c_i - group) / group for the n +1 counts c_i in words of consecutive lanes (onebit.mean_from_counts).
+void hvdcomp_lane_counts_mean(const int64_t* words, int64_t n, int64_t lanes, int64_t width, int64_t group,
+                              float* means) {
+  const int64_t mask = (int64_t{1} << width) - 1;
+  const float divisor = static_cast<float>(group);
+  for (int64_t w = 0; w < (n + lanes - 1) / lanes; ++w) {
+    const int64_t count = std::min(lanes, n - w * lanes), word = words[w];
+    for (int64_t l = 0; l < count; ++l)
+      means[w * lanes + l] = static_cast<float>(2 * ((word >> (l * width)) & mask) - group) / divisor;
   }
 }
 

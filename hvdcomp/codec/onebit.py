@@ -147,6 +147,17 @@ def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torc
     return _binarize(prob_plus, rng, first)
 
 
+def binarize_counts(counts: torch.Tensor, group: int, length: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Bits (bool ``[length]``): ``binarize`` of the probabilities ``counts / group`` (int64 ``[k]``, ``k <=
+    length``, counts of +1s among ``group`` values; float32), then 0 up to ``length`` (always False), natively on
+    the CPU."""
+    if native.usable(counts, torch.int64) and counts.dim() == 1 and first % OUTPUTS_PER_BLOCK == 0:
+        return native.binarize_counts(counts, group, length, rng, first)
+    prob = torch.zeros(length, dtype=torch.float32, device=counts.device)
+    prob[:counts.numel()] = counts.to(torch.float32).div_(group)
+    return binarize(prob, rng, first)
+
+
 def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None = None,
               runs: MomentRuns = ()) -> torch.Tensor:
     """``out`` (bool ``[n]``) <- the ±1 draw ``u`` of float32 moments ``m``, ``b`` ``[n]`` (``|m| <= b``): True (+1)
@@ -226,9 +237,54 @@ def bits_to_signs(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return out.copy_(bits).mul_(2).sub_(1)
 
 
+def _native_lanes(layout: LaneLayout, words: torch.Tensor) -> bool:
+    return layout.offset == 0 and native.usable(words, torch.int64)
+
+
+def pack_lane_values(layout: LaneLayout, values: torch.Tensor) -> torch.Tensor:
+    """``layout.pack(values, validate=False)`` of int64 ``values`` ``[n]`` (consecutive lanes), natively on the
+    CPU for layouts without an offset."""
+    if _native_lanes(layout, values):
+        return native.pack_lanes(values, layout.lanes_per_word, layout.lane_width)
+    return layout.pack(values, validate=False)
+
+
+def unpack_lane_values(layout: LaneLayout, words: torch.Tensor, numel: int) -> torch.Tensor:
+    """``layout.unpack(words, numel)`` (int64 sums of consecutive lanes), natively on the CPU for layouts without
+    an offset."""
+    if _native_lanes(layout, words):
+        layout.check_words(words, numel)
+        return native.unpack_lanes(words, numel, layout.lanes_per_word, layout.lane_width)
+    return layout.unpack(words, numel)
+
+
+def mean_from_lane_counts(layout: LaneLayout, words: torch.Tensor, numel: int, group: int,
+                          out: torch.Tensor) -> torch.Tensor:
+    """``out`` (float32 ``[numel]``) <- ``mean_from_counts`` of ``layout.unpack(words, numel)``: the means of
+    ``group`` ±1 values from their +1 counts, in one pass (natively on the CPU for layouts without an offset)."""
+    if _native_lanes(layout, words) and native.usable(out):
+        layout.check_words(words, numel)
+        return native.lane_counts_mean(words, numel, layout.lanes_per_word, layout.lane_width, group, out)
+    return mean_from_counts_into(layout.unpack(words, numel), group, out)
+
+
 def mean_from_counts(counts: torch.Tensor, group: int) -> torch.Tensor:
     """``(2 count - group) / group`` as float32: the mean of ``group`` ±1 values with ``count`` +1s."""
     return counts.mul(2).sub_(group).to(torch.float32).div_(group)
+
+
+def _mean_from_counts_into_eager(counts: torch.Tensor, group: int, out: torch.Tensor) -> None:
+    out.copy_(mean_from_counts(counts, group))
+
+
+_mean_from_counts_into = FusedKernel(_mean_from_counts_into_eager, in_place=True)
+
+
+def mean_from_counts_into(counts: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (float32, ``counts``' shape) <- ``mean_from_counts(counts, group)`` of integer ``counts`` (any
+    strides), in one fused pass; returns ``out``."""
+    _mean_from_counts_into(counts, group, out)
+    return out
 
 
 def _mean_from_words_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, group: int,

@@ -38,17 +38,20 @@ import torch
 
 from ..codec.onebit import (
     MomentRuns,
-    binarize,
+    binarize_counts,
     bit_lane_words,
     bits_to_signs,
     count_bit_rows,
     draw_bits,
     draw_lane_words,
-    mean_from_counts,
+    mean_from_counts_into,
+    mean_from_lane_counts,
     mean_from_lane_sums,
     pack_bit_rows,
+    pack_lane_values,
     runs_within,
     unpack_bit_rows,
+    unpack_lane_values,
 )
 from ..codec.packing import LaneLayout, as_uint8, lane_block_values
 from ..codec.random import OUTPUTS_PER_BLOCK
@@ -119,11 +122,13 @@ def hierarchical_one_bit_mean(
     local_rank: int,
     num_nodes: int,
     inter_node: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> Exchange:
     """Hierarchical-1-bit-All-Reduce of the workers' ±1 values (``bits``: 1-D bool, True for +1).
 
-    Returns float32 ``u_bar``, the same on every worker, unbiased for the mean of the workers' values.
-    With one node it is ``one_bit_mean`` (exact). ``rng`` draws this worker's re-binarizations.
+    Returns float32 ``u_bar``, the same on every worker, unbiased for the mean of the workers' values (a view of
+    ``out``, 1-D float32, where it holds ``bits.numel() + bit_padding`` elements). With one node it is
+    ``one_bit_mean`` (exact). ``rng`` draws this worker's re-binarizations.
     ``inter_node``: ``"auto"`` (``"allgather"`` or ``"sum"``, fewer bytes), or one of those or ``"two_stage"``.
     """
     if inter_node not in (*INTER_NODE_VARIANTS, "two_stage"):
@@ -131,20 +136,22 @@ def hierarchical_one_bit_mean(
     bits = bits.reshape(-1)
     numel = bits.numel()
     if num_nodes == 1 or numel == 0:
-        return (yield from one_bit_mean(bits, local_size))
+        return (yield from one_bit_mean(bits, local_size, out))
     chunk = shard_length(numel, local_size)
-    # 1. intra-node: exact count of +1s over the node's workers.
+    lo, hi = shard_bounds(numel, local_size, local_rank)
+    # 1. intra-node: exact count of +1s over the node's workers (decoded for this local rank's shard only).
     if local_size > 1:
         local_layout = LaneLayout(span=1, world_size=local_size)
         word_sums = yield Op.LOCAL_SUM, local_layout.pack(as_uint8(bits), validate=False)
-        node_counts = local_layout.unpack(word_sums, numel)
+        per_word = local_layout.lanes_per_word
+        first, last = lo // per_word, -(-hi // per_word)
+        shard_counts = unpack_lane_values(local_layout, word_sums[first:last],
+                                          min(last * per_word, numel) - first * per_word)
+        node_counts = shard_counts[lo - first * per_word:hi - first * per_word]
     else:
-        node_counts = bits.to(torch.int64)
+        node_counts = bits[lo:hi].to(torch.int64)
     # 2. re-binarize this local rank's shard of the node mean: +1 with probability count / L.
-    lo, hi = shard_bounds(numel, local_size, local_rank)
-    prob = torch.zeros(chunk, dtype=torch.float32, device=bits.device)
-    prob[: hi - lo] = node_counts[lo:hi].to(torch.float32).div_(local_size)
-    node_bits = binarize(prob, rng)
+    node_bits = binarize_counts(node_counts, local_size, chunk, rng)
     # 3. inter-node: 1 bit per element and node.
     variant = choose_inter_node(num_nodes, chunk) if inter_node == "auto" else inter_node
     span = num_nodes
@@ -158,15 +165,19 @@ def hierarchical_one_bit_mean(
     else:
         cross_layout = LaneLayout(span=1, world_size=num_nodes)
         word_sums = yield Op.CROSS_SUM, cross_layout.pack(as_uint8(node_bits), validate=False)
-        counts = cross_layout.unpack(word_sums, chunk)
-    # 4. every worker gets every shard's counts.
-    if local_size > 1:
-        count_layout = LaneLayout(span=span, world_size=1)
-        words = yield Op.LOCAL_ALLGATHER, count_layout.pack(counts, validate=False)
-        per_chunk = count_layout.num_words(chunk) * count_layout.lanes_per_word
-        all_counts = count_layout.unpack(words, local_size * per_chunk).view(local_size, per_chunk)
-        counts = all_counts[:, :chunk].reshape(-1)
-    return mean_from_counts(counts[:numel], span)
+        counts = unpack_lane_values(cross_layout, word_sums, chunk)
+    # 4. every worker gets every shard's counts and decodes their means, shard by shard.
+    if out is None or out.numel() < local_size * chunk:
+        out = torch.empty(local_size * chunk, dtype=torch.float32, device=bits.device)
+    if local_size == 1:
+        return mean_from_counts_into(counts, span, out[:chunk])
+    count_layout = LaneLayout(span=span, world_size=1)
+    words = yield Op.LOCAL_ALLGATHER, pack_lane_values(count_layout, counts)
+    per_shard = count_layout.num_words(chunk)
+    for shard in range(local_size):
+        mean_from_lane_counts(count_layout, words[shard * per_shard:(shard + 1) * per_shard], chunk, span,
+                              out[shard * chunk:(shard + 1) * chunk])
+    return out[:numel]
 
 
 def _after(numel: int) -> int:
@@ -188,7 +199,7 @@ def two_stage_one_bit_mean(bits: torch.Tensor, rng: torch.Tensor, group_size: in
         padded[:numel] = bits
     received = yield Op.ALLTOALL, pack_bit_rows(padded.view(group_size, part)).reshape(-1)
     counts = count_bit_rows(received.view(group_size, -1), part)
-    mine = binarize(counts.to(torch.float32).div_(group_size), rng, first)
+    mine = binarize_counts(counts, group_size, part, rng, first)
     gathered = yield Op.ALLGATHER_EQUAL, pack_bit_rows(mine)
     return unpack_bit_rows(gathered.view(group_size, -1), part).reshape(-1)[:numel]
 
@@ -209,12 +220,12 @@ def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node
 def route_mean(route: str, bits: torch.Tensor, rng: torch.Tensor, topology: Topology,
                out: torch.Tensor | None = None) -> Exchange:
     """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``), re-binarizing
-    from the stream ``rng``; the routes ``"world:sum"`` (as ``one_bit_mean``) and ``"world:two_stage"`` write it
-    into ``out`` if given (``bits.numel()`` elements and ``bit_padding``), the others return a new tensor."""
+    from the stream ``rng``, written into ``out`` if given (1-D float32 of ``bits.numel()`` elements and
+    ``bit_padding``)."""
     scope, variant = route.split(":")
     if scope == "hierarchical":
         return (yield from hierarchical_one_bit_mean(bits, rng, topology.local_size, topology.local_rank,
-                                                     topology.cross_size, variant))
+                                                     topology.cross_size, variant, out))
     if variant == "two_stage":
         drawn = yield from two_stage_one_bit_mean(bits.reshape(-1), rng, topology.size)
         return bits_to_signs(drawn, None if out is None else out[:drawn.numel()])
