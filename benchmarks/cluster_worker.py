@@ -215,6 +215,9 @@ def main() -> None:
     rank = int(os.environ["RANK"] if scheme.torch_distributed else os.environ["HOROVOD_RANK"])
     run = ddp_run(scheme, model, args.ddp_init) if scheme.torch_distributed else horovod_run(scheme, model)
     seconds, traffic = time_steps(run, args.warmup, args.reps, args.out / f"rank{rank}.progress")
+    # Every worker finished its last step before any exits: a step can end with a node-local collective (Birder's
+    # hierarchical route), and a node that exits first shuts Horovod down under the other's last one.
+    run.barrier()
     result = {"step_s": seconds, "traffic": traffic, "payload_bits": run.payload_bits(),
               "elements": sum(p.numel() for p in model.parameters())}
     partial = args.out / f"rank{rank}.json.partial"
