@@ -22,7 +22,9 @@ otherwise the workers' bits are summed in ``bit_length(W)``-bit lanes through ``
 ``exchange="two_stage"`` replaces the inter-node stage (or the sum over all workers) by the two-stage
 1-bit exchange (about 2 bits per element at any node count), ``"auto"`` lets the cost model choose.
 ``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"``,
-``"hierarchical:two_stage"``, ``"world:sum"`` or ``"world:two_stage"``.
+``"hierarchical:two_stage"``, ``"world:sum"`` or ``"world:two_stage"``. A hierarchical step ends with a
+node-local all-gather: before the script exits, ``hvd.barrier()``, or a node that exits first shuts Horovod
+down under another node's last step.
 
 **Masking.** An element is *active* once some worker has seen a non-zero gradient for it. The agreed
 ``active`` mask (identical on every rank) costs nothing per step beyond the ``Op.MAX`` of ``4 + P``
