@@ -115,7 +115,6 @@ _SIGNATURES = {  # each kernel's argument types (all return nothing)
                           _INT, _INT, _POINTER],
     "hvdcomp_draw_bools": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT,
                            _POINTER],
-    "hvdcomp_binarize": [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER],
     "hvdcomp_binarize_counts": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT, _POINTER],
     "hvdcomp_pack_bits": [_POINTER, _INT, _INT, _POINTER],
     "hvdcomp_unpack_bits": [_POINTER, _INT, _INT, _INT, _POINTER],
@@ -296,21 +295,6 @@ def draw_bools(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.T
                                betas.data_ptr(), len(runs), rng.data_ptr(), 0, lo, min(hi, numel), out.data_ptr())
 
     _in_parallel(run, _whole_blocks(numel), OUTPUTS_PER_BLOCK)
-    return out
-
-
-def binarize(prob: torch.Tensor, rng: torch.Tensor, first: int) -> torch.Tensor:
-    """bool ``[n]``: ``onebit.binarize(prob, rng, first)`` of flat float32 ``prob`` (``usable``; ``first`` a multiple
-    of 8)."""
-    _check_first(first)
-    rng = rng.to(torch.int64).contiguous()
-    out = torch.empty(prob.numel(), dtype=torch.bool)
-    lib = _Library.handle
-
-    def run(lo: int, hi: int) -> None:
-        lib.hvdcomp_binarize(prob.data_ptr(), rng.data_ptr(), first, lo, min(hi, prob.numel()), out.data_ptr())
-
-    _in_parallel(run, _whole_blocks(prob.numel()), OUTPUTS_PER_BLOCK)
     return out
 
 

@@ -350,19 +350,8 @@ void hvdcomp_draw_bools(float* m, float* b, const float* grad, int64_t numel, co
 }
 
 // Bits of values [first, last) (first a multiple of 8): value i is 1 when the stream's uniform draw_first + i is below
-// prob[i] (onebit._binarize_eager), one uint8 0 / 1 per value into out[first ..].
-void hvdcomp_binarize(const float* prob, const int64_t* stream_words, int64_t draw_first, int64_t first,
-                      int64_t last, uint8_t* out) {
-  alignas(32) float noise[kChunk + 64];
-  for (int64_t start = first; start < last; start += kChunk) {
-    const int64_t n = std::min(kChunk, last - start);
-    hvdcomp_uniform(stream_words, draw_first + start, (n + 7) / 8 * 8, noise);
-    for (int64_t i = 0; i < n; ++i) out[start + i] = noise[i] < prob[start + i];
-  }
-}
-
-// The same for prob[i] = counts[i] / group (float32) below `valid`, 0 from there on (a count of +1s among `group`
-// values re-binarized: onebit.binarize_counts).
+// counts[i] / group (float32) for i below `valid`, 0 from there on (counts of +1s among `group` values re-binarized:
+// onebit.binarize_counts), one uint8 0 / 1 per value into out[first ..].
 void hvdcomp_binarize_counts(const int64_t* counts, int64_t valid, int64_t group, const int64_t* stream_words,
                              int64_t draw_first, int64_t first, int64_t last, uint8_t* out) {
   alignas(32) float noise[kChunk + 64];

@@ -142,8 +142,6 @@ def binarize(prob_plus: torch.Tensor, rng: torch.Tensor, first: int = 0) -> torc
     """Bits (bool, ``prob_plus``'s shape; True for +1): element ``i`` is True when uniform ``first + i`` of the
     stream ``rng`` (int64 ``[4]`` words, ``random.stream_words``) is below
     ``prob_plus[i]`` (float32 in [0, 1]), i.e. with that probability."""
-    if native.usable(prob_plus) and first % OUTPUTS_PER_BLOCK == 0:
-        return native.binarize(prob_plus.reshape(-1), rng, first).view(prob_plus.shape)
     return _binarize(prob_plus, rng, first)
 
 
