@@ -201,7 +201,7 @@ def test_ddp_hook_on_two_gloo_workers():
         assert steps == 3 and sent == uncompressed == 3 * 4 * out["numel"]  # fp32, once per synchronizing step
         assert all(out["resume"].values()), out["resume"]
         assert len(out["errors"]) == 4, out["errors"]
-        assert "configured the hook differently" in out["errors"][0]
+        assert "configured differently (what differs: compression" in out["errors"][0]
         assert "DistributedDataParallel" in out["errors"][1] and "not supported" in out["errors"][2]
         assert "hierarchical must be True or False" in out["errors"][3]
         assert out["ddp_buckets"][0] >= 2 and out["ddp_buckets"][1] == 1  # the precondition of the bucketing check

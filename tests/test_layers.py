@@ -123,7 +123,7 @@ def test_typed_ops():
             op.across_nodes()
 
 
-class _EchoTransport:
+class _EchoTransport(Transport):
     """Every worker sent what this one sends: SUM multiplies by the size, MAX returns it."""
 
     size, rank, local_size, local_rank, cross_size, cross_rank = 3, 0, 3, 0, 1, 0

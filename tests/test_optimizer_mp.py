@@ -81,7 +81,7 @@ def _flat_worker(names, steps, hierarchical_too=False):
         for hierarchical in ([False, True] if hierarchical_too else [False]):
             losses, params, optimizer, _ = _train(_ours(name, hierarchical=hierarchical), steps)
             out[(name, hierarchical)] = {"losses": losses, "params": params, "stats": optimizer.stats.total.as_dict(),
-                                         "buckets": len(optimizer._buckets)}
+                                         "buckets": len(optimizer._state.plan)}
     return out
 
 
@@ -146,7 +146,7 @@ def _statistics_rows_worker(steps):
         optimizer = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                                  named_parameters=model.named_parameters(),
                                                  compression=hvdcomp.QSGDMaxNorm(8))
-        codec, rows = optimizer._codec, []
+        codec, rows = optimizer._state.codec, []
         if share is not None:
             codec.stats_share = share
         choose = codec.stats_rows

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.exchange.protocol import Op
+from hvdcomp.exchange.protocol import Op, Transport
 
 
 class _Handle:
@@ -13,7 +13,7 @@ class _Handle:
         self.name, self.result, self.done = name, result, True
 
 
-class _TwoWorkerWire:
+class _TwoWorkerWire(Transport):
     """Two workers that hold the same gradients (SUM doubles, MAX returns the tensor). Nothing arrives
     during backward (``arrived`` False: a slow link); then bucket 0's payload stays on the wire until bucket
     1's payload has been sent, as when bucket 1's encode overlaps it; waiting for it earlier is the
@@ -55,7 +55,7 @@ def _step(transport):
     optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
                                              compression=hvdcomp.QSGDMaxNorm(8), transport=transport,
                                              bucket_size_mb=64 * 65 * 4 / 2**20)  # one bucket per layer
-    assert len(optimizer._buckets) == 2
+    assert len(optimizer._state.plan) == 2
     model(torch.randn(8, 64)).square().sum().backward()
     transport.arrived = True
     optimizer.synchronize()

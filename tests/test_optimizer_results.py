@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.exchange.protocol import Reduction
+from hvdcomp.exchange.protocol import Reduction, Transport
 
 
 class _Handle:
@@ -14,7 +14,7 @@ class _Handle:
         self.result = result
 
 
-class _TwoEqualWorkers:
+class _TwoEqualWorkers(Transport):
     """Rank 0 of two workers holding the same gradients: SUM doubles, MAX returns the tensor, an all-gather
     repeats it, an all-to-all brings part 0 twice. ``in_place``: the SUM doubles the sent tensor itself (as
     a transport that sums in place), else it returns a new tensor."""
@@ -82,8 +82,8 @@ def test_gradients_are_means_and_kept_ones_never_change(make, storages, in_place
         assert all(torch.allclose(g, r, rtol=0.02, atol=0.02 * r.abs().max().item())
                    for g, r in zip(values[-1], raw[-1]))
     held = {g.untyped_storage().data_ptr() for g in kept[-1]}
-    buffer = optimizer._buckets[0].buffer.untyped_storage().data_ptr()
-    assert len(optimizer._buckets) == 1 and buffer not in held
+    buffer = optimizer._state.plan[0].flat(torch.float32).untyped_storage().data_ptr()
+    assert len(optimizer._state.plan) == 1 and buffer not in held
     assert len(held) == storages[in_place]
 
 
@@ -102,5 +102,5 @@ def test_default_bucket_size_is_the_codecs(make, bucket_size_mb, bucket_mb):
     optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
                                              compression=make(), transport=_TwoEqualWorkers(),
                                              bucket_size_mb=bucket_size_mb)
-    assert [len(bucket.params) for bucket in optimizer._buckets] == ([2, 1] if bucket_mb == 8.0 else [3])
+    assert [len(bucket.params) for bucket in optimizer._state.plan] == ([2, 1] if bucket_mb == 8.0 else [3])
     optimizer.close()

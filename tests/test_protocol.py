@@ -9,7 +9,7 @@ from hvdcomp.codec.selection import RandomCoordinateSelector
 from hvdcomp.exchange.bucket import Segments
 from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
 from hvdcomp.exchange.hierarchy import hierarchical_elementwise
-from hvdcomp.exchange.protocol import Op, drive, drive_overlapped, relay
+from hvdcomp.exchange.protocol import Op, Transport, drive, drive_overlapped, relay
 from hvdcomp.exchange.simulator import simulate
 
 TILES = 8000  # draws per element: 16 elements x 8000 tiles = 128k draws per scheme
@@ -191,7 +191,7 @@ def test_alltoall_and_fp16_sum_each_chunk_once_at_float32():
         assert all(torch.equal(out, want) for out in outputs)
 
 
-class _Transport:
+class _Transport(Transport):
     def __init__(self, rank, sums_float16=None):
         self.rank = rank
         if sums_float16 is not None:
@@ -433,7 +433,7 @@ def test_simulate_group_collectives():
         simulate([worker(r) for r in range(3)], local_size=2)
 
 
-class _LoggingTransport:
+class _LoggingTransport(Transport):
     """Two identical workers' SUMs, started and waited in a log: ``("start"|"wait", name)``."""
 
     blocking = False

@@ -205,8 +205,8 @@ def _resume_elsewhere_worker(path, saved_size, first_step):
     momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     saved_momentum = list(state["optimizer"]["state"][i]["momentum_buffer"] for i in range(len(momentum)))
     kept = {"momentum": all(torch.equal(a, b) for a, b in zip(momentum, saved_momentum)),
-            "exchange_step": optimizer._exchange_step == state["optimizer"]["hvdcomp"]["exchange_step"],
-            "memory_reset": optimizer._codec.memory.state_dict()["residuals"] == {},
+            "exchange_step": optimizer._state.step == state["optimizer"]["hvdcomp"]["exchange_step"],
+            "memory_reset": optimizer._state.codec.memory.state_dict()["residuals"] == {},
             "birder_m": torch.equal(birder._m, state["birder"]["birder"]["m"]), "birder_step": birder._step}
     losses = [(_step(model, optimizer, hvd.rank(), step), _step(birder_model, birder, hvd.rank(), step))
               for step in range(first_step, first_step + 6)]

@@ -79,10 +79,19 @@ class Segments(Sequence[int]):
 
 
 class BucketCodec(ABC):
-    """The parts every codec has: rank binding, checkpointable state, and ``bucket_mb``: the bucket size (MiB of
-    float32 gradients) the codec runs best with where the caller gives none, or None for the caller's own."""
+    """The parts every codec has: rank binding, checkpointable state, its configuration, and the settings entry
+    points read from it: ``bucket_mb``, the bucket size (MiB of float32 gradients) the codec runs best with where
+    the caller gives none (None: the caller's own), and ``warmup_steps``, the exchanges an entry point sends
+    uncompressed first (``hvdcomp.exchange.state``)."""
 
     bucket_mb: float | None = None
+    warmup_steps: int = 0
+    inner: BucketCodec | None = None  # the codec a wrapping codec runs (state of its own that one door may own)
+
+    def config(self) -> tuple:
+        """What every worker must configure alike (compared between workers before the first exchange, and
+        recorded in checkpoints): a tuple whose ``repr`` is the same in every process. Default: nothing."""
+        return ()
 
     def bind_rank(self, rank: int) -> None:  # noqa: B027 (most codecs draw no per-worker randomness)
         """Called by the entry point with this worker's rank before its first exchange; codecs with
@@ -105,6 +114,11 @@ class BucketCodec(ABC):
 
 class ElementwiseCodec(BucketCodec):
     """A codec over the bucket's flat float32 vector (see the module docstring)."""
+
+    def flat_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the flat vector this codec exchanges for gradients of ``dtype``. Default float32: codecs
+        compute in float32, and entry points clamp float64 gradients to float32's range (never to Inf)."""
+        return torch.float32
 
     @abstractmethod
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,

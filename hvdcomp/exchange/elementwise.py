@@ -33,7 +33,11 @@ def warn_nonfinite(key: Hashable, step: int) -> None:
 
 
 class NoCompression(ElementwiseCodec):
-    """Plain all-reduce of the float32 bucket (AllReduce-SGD): one ``Op.SUM`` of 32 bits per element."""
+    """Plain all-reduce of the bucket (AllReduce-SGD): one ``Op.SUM`` of 32 bits per element, or 64 for float64
+    gradients, which are summed in float64 as Horovod sums them."""
+
+    def flat_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
@@ -88,7 +92,7 @@ class FP16(ElementwiseCodec):
 
     def bind_transport(self, transport: Any) -> None:
         super().bind_transport(transport)
-        self.sums_float16 = bool(getattr(transport, "sums_float16", False))
+        self.sums_float16 = transport.sums_float16
 
     def _buffers_for(self, key: Hashable, numel: int, world_size: int, device: torch.device) -> HalfBuffers:
         chunked = not self.sums_float16  # the all-to-all sends W equal parts

@@ -167,13 +167,22 @@ class Transport(Topology, Protocol):
     reads the request's tensor and never writes it: exchanges may use it again after the result.
     ``blocking`` is True when collectives pair by call order, not by name: ``start`` completes the
     collective before returning (MPI) or queues it (torch.distributed); every worker must then start
-    them in the same order. A transport may also set ``sums_float16`` (default False): its ``SUM`` of a
-    float16 tensor runs at the wire's rate (Gloo and NCCL through torch.distributed; Horovod itself where its
-    Gloo has the F16C/AVX sum, otherwise as all-to-alls summed by the transport), and codecs may then ask for
-    it (``FP16``).
+    them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at
+    the wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so
+    codecs may ask for it (``FP16``); a transport never does arithmetic of its own. Transports subclass this
+    class, so the defaults below are theirs unless they say otherwise.
     """
 
     blocking: bool
+    sums_float16: bool = False
+
+    def forget_topology(self) -> None:
+        """Read the topology anew at its next use (after the launcher re-initialised the workers: elastic
+        training). Default: nothing to forget."""
+
+    def check_hierarchy(self) -> None:
+        """Raise, on every worker alike and without a collective, where node-local and cross-node collectives
+        cannot run. Default: they can."""
 
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any: ...
 

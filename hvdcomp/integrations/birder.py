@@ -12,8 +12,8 @@ There is no uncompressed warm-up; learning-rate warm-up works through the usual 
 The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, masking, state, stats.
 
 **Chunks.** The world route updates the moments, draws and sums in chunks (``onebit.world_chunks``) that
-``step()`` has in flight together (``protocol.drive_overlapped``): a chunk's codec work overlaps the other
-chunks' sums, and each parameter is updated once the chunk that holds its end is decoded. The bits and the
+``step()`` has in flight together under the one ``Runner`` (``hvdcomp.exchange.runner``): a chunk's codec work
+overlaps the other chunks' sums, and each parameter is updated once the chunk that holds its end is decoded. The bits and the
 mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
 
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
@@ -61,9 +61,9 @@ and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -74,9 +74,10 @@ from ..codec.random import stream_words
 from ..codec.validate import check_real
 from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
 from ..exchange.onebit import drawn_lane_mean, drawn_route_mean, one_bit_route, world_chunks
-from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, drive_overlapped, single
+from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
+from ..exchange.runner import Runner
 from ..exchange.simulator import simulate
-from ..exchange.stats import Statistics, Traffic, counted, timed
+from ..exchange.stats import Statistics, Traffic, counted
 from .birder_layout import FlatLayout, layout_key
 from .birder_state import birder_state, load_birder_state, resync_birder
 from .launch import resolve_hierarchical
@@ -156,6 +157,7 @@ class Birder(torch.optim.Optimizer):
         self._step = 0
         self.route = ""
         self.stats = Statistics()
+        self._runner: Runner | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # hvd.DistributedOptimizer builds type(name, (Birder,), dict(_DistributedOptimizer.__dict__)).
@@ -215,7 +217,8 @@ class Birder(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Birder step over the transport (every worker must call it); returns ``closure()``'s loss.
         Called by ``hvd.broadcast_optimizer_state``: no step (Birder's state needs no first step); under Horovod
-        elastic's re-synchronisation, the workers' states are agreed (``birder_state.resync_birder``)."""
+        elastic's re-synchronisation, the workers' states are agreed (``birder_state.resync_birder``).
+        The update's exchanges (the world route's chunks) run under the one ``Runner``, in flight together."""
         if called_by_broadcast_optimizer_state():
             return resync_birder(self)
         loss = None
@@ -223,18 +226,40 @@ class Birder(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         transport = self.transport
-        drive(self._step_exchange(transport, functools.partial(_in_flight_together, transport)), transport)
+        if self._runner is None or self._runner.transport is not transport:
+            self._runner = Runner(transport, self.stats, "hvdcomp.birder")
+        self._runner.begin_step()
+        update = drive(self._prepare(transport, self.stats.last_step), transport)
+        if update is None:
+            self._runner.drop()
+            self.stats.end_step(skipped=True)
+            return loss
+        for index, exchange in enumerate(self._update_exchanges(update)):
+            self._runner.launch_exchange(index, f"chunk{index}", exchange, _ignore)
+        self._runner.finish()
+        self._step += 1
         return loss
 
     def step_exchange(self, topology: Topology | None = None) -> Exchange:
         """The step as an exchange generator; ``topology`` (a ``Placement`` or a transport) says where this
         worker sits (default: the transport). Run it to its end on every worker. The world route's chunks
         are summed one after another here; ``step()`` has their sums in flight together (the same result)."""
-        return self._step_exchange(topology, _in_turn)
-
-    def _step_exchange(self, topology: Topology | None, run_chunks: Callable[[list[Exchange]], Exchange]) -> Exchange:
-        self._check_not_wrapped()
         topo = topology if topology is not None else self.transport
+        traffic = self.stats.begin_step()
+        update = yield from self._prepare(topo, traffic)
+        if update is None:
+            self.stats.end_step(skipped=True)
+            return None
+        for exchange in self._update_exchanges(update):
+            yield from counted(exchange, traffic, topo)
+        self._step += 1
+        self.stats.end_step()
+        return None
+
+    def _prepare(self, topo: Topology, traffic: Traffic) -> Exchange:
+        """The step's checks and agreement (the module docstring's flags and activity masks); returns the
+        ``_Update`` to exchange, or None when every worker skips the step."""
+        self._check_not_wrapped()
         if self.hierarchical and not topo.equal_nodes:  # agreed: every rank raises, or none
             raise ValueError("Birder: hierarchical=True needs the same number of workers on every node; "
                              "pass hierarchical=False")
@@ -250,9 +275,8 @@ class Birder(torch.optim.Optimizer):
         if self._rank is not None and self._rank != topo.rank and not self._warned_rank:
             self._warned_rank = True
             warnings.warn(f"Birder: rank {topo.rank} runs with rank {self._rank}'s moments; each worker should load "
-                          "its own state dict", RuntimeWarning, stacklevel=3)
+                          "its own state dict", RuntimeWarning, stacklevel=4)
         self._rank = topo.rank
-        traffic = self.stats.begin_step()
         grad = self._grad
         has_grad = layout.gather_grads(grad)
 
@@ -264,8 +288,7 @@ class Birder(torch.optim.Optimizer):
             raise RuntimeError(f"Birder: workers hold different parameter counts ({int(-flags[3])} to {int(flags[2])})")
         if flags[0] > 0:
             warnings.warn(f"Birder: a worker's gradient holds NaN/Inf at step {self._step}; every worker skips "
-                          "this step", RuntimeWarning, stacklevel=3)
-            self.stats.end_step(skipped=True)
+                          "this step", RuntimeWarning, stacklevel=4)
             return None
         if flags[1] > 0:
             fresh = (grad.ne(0).logical_and_(self._active.logical_not()) if fresh_here
@@ -276,37 +299,36 @@ class Birder(torch.optim.Optimizer):
             self._active.logical_or_(mask_layout.unpack(word_sums, numel) > 0)
             self._all_active = bool(self._active.all())
         traffic.uncompressed_bytes += 4 * numel
-        updated = (flags[4:] > 0).tolist()
-        yield from self._update(layout, grad, topo, hierarchical, updated, traffic, run_chunks)
-        self._step += 1
-        self.stats.end_step()
-        return None
+        return _Update(layout, topo, hierarchical, (flags[4:] > 0).tolist())
 
-    def _update(self, layout: FlatLayout, grad: torch.Tensor, topo: Topology, hierarchical: bool, updated: list[bool],
-                traffic: Traffic, run_chunks: Callable[[list[Exchange]], Exchange]) -> Exchange:
+    def _update_exchanges(self, update: _Update) -> list[Exchange]:
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
-        keep their moments; their bits travel, as the exchange covers the whole flat buffer), chunk by chunk
-        on the world route."""
-        m, b, numel = self._m, self._b, layout.numel
+        keep their moments; their bits travel, as the exchange covers the whole flat buffer): one exchange per
+        chunk on the world route, else one; each updates the parameters whose elements it completed."""
+        layout, topo, updated = update.layout, update.topology, update.updated
+        m, b, numel, grad = self._m, self._b, layout.numel, self._grad
         runs = layout.moment_runs(self.param_groups, updated)
         draws = self._stream("draw", topo.rank, layout.device)
-        self.route = one_bit_route(numel, topo, hierarchical, self.inter_node, self.exchange)
+        self.route = one_bit_route(numel, topo, update.hierarchical, self.inter_node, self.exchange)
         mean, applied = self._mean[:numel], 0  # the world route decodes into mean; parameters before applied are done
 
         def apply_through(end: int) -> None:
             nonlocal applied
-            with timed(traffic, "decompress_s"):
-                applied = self._apply(layout, mean, updated, applied, end)
+            applied = self._apply(layout, mean, updated, applied, end)
 
         if self.route == "world:sum" and topo.size > 1:  # per chunk: moments and draw into summable lanes; update
-            yield from run_chunks([_then(counted(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad,
-                                                                 runs), traffic, topo), apply_through, hi)
-                                   for lo, hi in world_chunks(numel, topo.size)])
-        else:
-            rebinarize = self._stream("rebinarize", topo.rank, layout.device)
-            mean = yield from counted(drawn_route_mean(self.route, m, b, draws, rebinarize, topo, self._bits,
-                                                       self._mean, grad, runs), traffic, topo)
-        apply_through(numel)
+            return [_then(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad, runs), apply_through, hi)
+                    for lo, hi in world_chunks(numel, topo.size)]
+        rebinarize = self._stream("rebinarize", topo.rank, layout.device)
+
+        def whole() -> Exchange:  # the route's mean (a buffer of its own on some routes), then every update
+            nonlocal mean
+            mean = yield from drawn_route_mean(self.route, m, b, draws, rebinarize, topo, self._bits, self._mean,
+                                               grad, runs)
+            apply_through(numel)
+            return mean
+
+        return [whole()]
 
     def _apply(self, layout: FlatLayout, mean: torch.Tensor, updated: list[bool], first: int, end: int) -> int:
         """``x <- x - lr (u_bar + weight_decay x)`` (``u_bar``: ``mean``, 0 where inactive) for the ``updated``
@@ -335,6 +357,17 @@ class Birder(torch.optim.Optimizer):
         load_birder_state(self, state_dict, super().load_state_dict)
 
 
+@dataclass
+class _Update:
+    """What a step's checks agreed: the layout, where this worker sits, the route's level, and per parameter
+    whether some worker has a gradient for it."""
+
+    layout: FlatLayout
+    topology: Topology
+    hierarchical: bool
+    updated: list[bool]
+
+
 def _then(exchange: Exchange, after: Callable[[int], None], end: int) -> Exchange:
     """``exchange``, then ``after(end)``; the same result."""
     value = yield from exchange
@@ -342,17 +375,8 @@ def _then(exchange: Exchange, after: Callable[[int], None], end: int) -> Exchang
     return value
 
 
-def _in_turn(chunks: list[Exchange]) -> Exchange:
-    """The chunks' requests, one chunk after another (their results are written where each chunk says)."""
-    for chunk in chunks:
-        yield from chunk
-
-
-def _in_flight_together(transport: Transport, chunks: list[Exchange]) -> Exchange:
-    """The chunks driven on ``transport`` with their sums in flight together (``drive_overlapped``): each chunk's
-    draw overlaps the sums before it, each decode the sums after it. Requests nothing itself."""
-    yield from ()
-    drive_overlapped(chunks, transport, "hvdcomp.birder")
+def _ignore(result: Any) -> None:
+    """Where a chunk's result goes: nowhere (each chunk writes its mean into Birder's buffer itself)."""
 
 
 def simulate_step(optimizers: Sequence[Birder], local_size: int | None = None) -> list[object]:

@@ -1,50 +1,23 @@
-"""How ``DistributedOptimizer`` names parameters and groups them into buckets.
+"""How ``DistributedOptimizer`` names its parameters, orders them and names its collectives, as Horovod does.
 
 Names follow ``hvd.DistributedOptimizer``: ``named_parameters`` must be ``(name, parameter)`` tuples
 with unique names that cover every parameter the optimizer holds (names of other parameters, e.g. a
 frozen layer left out of a fine-tuning optimizer, are accepted); without it, parameter ``j`` of
-group ``i`` is ``allreduce.noname.{i}.{j}``.
-
-Buckets hold trainable parameters of one dtype and device, in reverse order (the order backward
-produces gradients): about ``bucket_size_mb`` each by default; Horovod's ``groups`` maps onto them:
-an integer splits the trainable parameters into that many buckets as Horovod splits its groups, a
-list of parameter lists makes each list a bucket (split by dtype and device where they differ) and
-the rest are bucketed by size.
+group ``i`` is ``allreduce.noname.{i}.{j}``. Buckets (``hvdcomp.exchange.plan``) follow the order of
+``named_parameters`` (the model's, the same on every worker whatever order the optimizer lists them in).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..codec.seeding import stable_seed
-from ..exchange.protocol import Exchange, Scope
 
 Parameter = torch.nn.Parameter
 _ORDINALS: dict[tuple, int] = {}  # optimizers created in this process per (parameter names, process set)
-
-
-@dataclass(eq=False)
-class Bucket:
-    """One bucket: its parameters, a persistent float32 buffer of their gradients, and its exchange."""
-
-    index: int
-    params: list[Parameter]
-    dtype: torch.dtype
-    buffer: torch.Tensor  # float32 [numel]: the bucket's gradients, concatenated
-    ready: int = 0  # gradients complete this step
-    launched: bool = False  # exchange started this step (it may have finished already)
-    result_kept: bool = False  # this step's codec returns a result it never writes again (reuses_result False)
-    exchange: Exchange | None = None
-    handle: Any = None
-    rounds: dict[Scope, int] = field(default_factory=dict)  # collectives started per scope this step
-
-    @property
-    def sizes(self) -> list[int]:
-        return [p.numel() for p in self.params]
 
 
 def parameter_names(named_parameters: Any, param_groups: Sequence[dict[str, Any]]) -> dict[Parameter, str]:
@@ -78,46 +51,14 @@ def collective_prefix(names: Sequence[str], group: object) -> str:
     return f"hvdcomp.{stable_seed(identity) % 16**8:08x}.{ordinal}"
 
 
-def _by_size(params: Sequence[Parameter], bucket_size_mb: float) -> list[list[Parameter]]:
-    limit = bucket_size_mb * 2**20
-    open_buckets: dict[tuple, tuple[list[Parameter], int]] = {}
-    buckets: list[list[Parameter]] = []
-    for p in reversed(params):  # backward produces gradients roughly in reverse order
-        kind = (p.dtype, p.device)
-        current, nbytes = open_buckets.get(kind, ([], 0))
-        size = p.numel() * p.element_size()
-        if current and nbytes + size > limit:
-            buckets.append(current)
-            current, nbytes = [], 0
-        current.append(p)
-        open_buckets[kind] = (current, nbytes + size)
-    return buckets + [b for b, _ in open_buckets.values() if b]
-
-
-def _by_kind(params: Sequence[Parameter]) -> list[list[Parameter]]:
-    kinds: dict[tuple, list[Parameter]] = {}
-    for p in params:
-        kinds.setdefault((p.dtype, p.device), []).append(p)
-    return list(kinds.values())
-
-
-def plan_buckets(params: Sequence[Parameter], bucket_size_mb: float, groups: int | list | None) -> list[Bucket]:
-    """The buckets of the trainable ``params`` (see the module docstring)."""
-    if groups is None or groups == 0:
-        lists = _by_size(params, bucket_size_mb)
-    elif isinstance(groups, int):
-        count = min(groups, len(params))  # Horovod's split_list: near-equal counts, in order
-        base, extra = divmod(len(params), count) if count else (0, 0)
-        bounds = [i * base + min(i, extra) for i in range(count + 1)]
-        lists = [b for lo, hi in zip(bounds, bounds[1:]) for b in _by_kind(params[lo:hi])]
-    else:
-        trainable = {id(p) for p in params}
-        listed = [[p for p in group if id(p) in trainable] for group in groups]
-        seen = {id(p) for group in listed for p in group}
-        rest = [p for p in params if id(p) not in seen]
-        lists = [b for group in listed if group for b in _by_kind(group)] + _by_size(rest, bucket_size_mb)
-    return [Bucket(i, b, b[0].dtype, torch.zeros(sum(p.numel() for p in b), device=b[0].device))
-            for i, b in enumerate(lists)]
+def model_order(params: Sequence[Parameter], named: Sequence[tuple[str, Parameter]] | None) -> list[Parameter]:
+    """``params`` in the order of ``named`` (``named_parameters``: the model's order), or as given without it."""
+    if named is None:
+        return list(params)
+    position: dict[Parameter, int] = {}
+    for _, p in named:
+        position.setdefault(p, len(position))
+    return sorted(params, key=position.__getitem__)
 
 
 def check_groups(groups: Any) -> None:

@@ -46,94 +46,73 @@ it is an explicit choice.
 
 from __future__ import annotations
 
-import sys
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..codec import carrier
-from ..codec.seeding import stable_seed
 from ..codec.validate import check_bool, check_real
-from ..exchange.bucket import BucketCodec, ElementwiseCodec
-from ..exchange.elementwise import NoCompression
-from ..exchange.hierarchy import bucket_exchange
-from ..exchange.protocol import Exchange, Op
-from ..exchange.stats import Statistics
+from ..exchange.plan import Bucket, plan_buckets
+from ..exchange.runner import Runner
+from ..exchange.state import ExchangeState
 from ..transport.torch_distributed import TorchDistributedTransport
-from .buckets import Bucket, plan_buckets
+from .resolve import resolve_codec, resolve_warmup
 
 Parameter = torch.nn.Parameter
-
-
-def codec_for(compression: Any) -> BucketCodec:
-    """The bucket codec for ``compression``: ``None`` -> ``NoCompression``; a ``BucketCodec`` as it is;
-    with Horovod loaded, anything ``hvdcomp.integrations.compressors.bucket_codec`` maps (hvdcomp's
-    compressors such as ``hvdcomp.QSGDMaxNorm(8)``, Horovod's ``Compression.fp16``)."""
-    if compression is None:
-        return NoCompression()
-    if isinstance(compression, BucketCodec):
-        return compression
-    if "horovod.torch" in sys.modules:  # hvdcomp's compressors and Compression.* exist only with Horovod loaded
-        from .compressors import bucket_codec
-
-        return bucket_codec(compression)
-    raise TypeError(f"compression={compression!r} is not supported: use None, a hvdcomp.exchange.BucketCodec "
-                    "(NoCompression, FP16, PowerSGD, MaxNormCodec, your own) or an hvdcomp compressor "
-                    "(hvdcomp.QSGDMaxNorm(8), ...)")
-
-
-@dataclass(eq=False)
-class _Running:
-    """A codec bucket's exchange in flight: its current collective's handle."""
-
-    bucket: Bucket
-    exchange: Exchange
-    handle: Any = None
+DOOR = "hvdcomp.ddp"
 
 
 class CompressionState:
     """What the hook keeps between steps (see the module docstring); built by ``register``.
 
     ``stats``: ``hvdcomp.exchange.Statistics`` (bytes intra-/inter-node, uncompressed, seconds) per
-    synchronizing step and in total. ``state_dict()`` / ``load_state_dict()``: the codec's state and the
-    exchange step; each worker saves and loads its own (memories differ per worker), and every worker
-    must load one or none (checked, on every worker, at the next exchange).
+    synchronizing step and in total. ``state_dict()`` / ``load_state_dict()``: the exchange state
+    (``hvdcomp.exchange.state.ExchangeState``); each worker saves and loads its own (memories differ per
+    worker), and every worker must load one or none (checked, on every worker, at the next exchange).
     """
 
-    __slots__ = ("codec", "transport", "hierarchical", "stats", "step", "_bucket_size_mb", "_order", "_plan",
-                 "_home", "_arrivals", "_destinations", "_futures", "_running", "_next_launch", "_agreed")
+    __slots__ = ("transport", "_state", "_runner", "_bucket_size_mb", "_names", "_home", "_arrivals",
+                 "_destinations", "_futures", "_ready", "_next_launch")
 
-    def __init__(self, codec: BucketCodec, transport: TorchDistributedTransport, hierarchical: bool,
-                 bucket_size_mb: float, parameters: list[Parameter]) -> None:
-        self.codec, self.transport, self.hierarchical = codec, transport, hierarchical
-        self.stats = Statistics()
-        self.step = 0  # synchronizing steps exchanged
+    def __init__(self, state: ExchangeState, transport: TorchDistributedTransport, hierarchical: bool,
+                 bucket_size_mb: float, names: dict[Parameter, str]) -> None:
+        self.transport = transport
+        self._state = state
+        self._runner = Runner(transport, state.stats, "hvdcomp.ddp", state, hierarchical)
         self._bucket_size_mb = bucket_size_mb
-        self._order = {p: i for i, p in enumerate(parameters)}  # the model's order, the same in every process
-        self._plan: list[Bucket] | None = None
-        self._home: dict[Parameter, tuple[Bucket, int]] = {}  # parameter -> (codec bucket, offset in its buffer)
+        self._names = names  # the model's parameters in its order, named alike on every worker
+        self._home: dict[Parameter, Bucket] = {}
         self._arrivals: list[tuple[Parameter, torch.Tensor]] = []  # this step's gradients not yet delivered
         self._destinations: dict[Parameter, torch.Tensor] = {}  # this step's DDP gradient views
         self._futures: list[tuple[torch.Tensor, torch.futures.Future]] = []
-        self._running: list[_Running] = []
+        self._ready: dict[Bucket, int] = {}
         self._next_launch = 0
-        self._agreed = False
+
+    @property
+    def codec(self) -> Any:
+        return self._state.codec
+
+    @property
+    def stats(self) -> Any:
+        return self._state.stats
+
+    @property
+    def step(self) -> int:
+        """Synchronizing steps exchanged."""
+        return self._state.step
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue exactly: the codec's state and the exchange step."""
-        return {"codec": self.codec.state_dict(), "step": self.step}
+        """Everything a resumed run needs to continue exactly (``ExchangeState.state_dict``)."""
+        return self._state.state_dict(self.transport.size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s output; ``ValueError`` before anything changes if it does not fit."""
         if self._futures:
             raise RuntimeError("load_state_dict() was called in the middle of a backward pass")
-        self.codec.load_state_dict(state["codec"])
-        self.step = state["step"]
-        self._agreed = False
+        self._state.check_state(state, self.transport.size)
+        self._state.load_state_dict(state, self.transport)
 
     # -- the hook ------------------------------------------------------------------------------------------
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -142,18 +121,15 @@ class CompressionState:
         if buffer.is_sparse:
             raise TypeError("hvdcomp's DDP hook needs dense gradients; sparse gradients are not supported")
         future: torch.futures.Future = torch.futures.Future()
-        if not self._futures:
-            self.stats.begin_step()
         self._futures.append((buffer, future))
         self._arrivals.extend(zip(bucket.parameters(), bucket.gradients()))
         try:
-            in_flight = list(self._running)  # started by earlier hooks: advanced once this bucket's are on their way
-            if self._plan is None and bucket.is_last():
+            if not self._state.plan and bucket.is_last():
                 self._make_plan()
-            if self._plan is not None:
+            if self._state.plan:
                 self._deliver()
                 self._launch_ready()
-            self._advance_running(in_flight, finish=False)
+            self._runner.progress()
             if bucket.is_last():
                 self._finish_step()
         except BaseException as error:
@@ -163,134 +139,64 @@ class CompressionState:
 
     def _make_plan(self) -> None:
         """Plan the codec buckets from the parameters DDP reduces (this first step's buckets)."""
-        unknown = [p for p, _ in self._arrivals if p not in self._order]
+        unknown = [p for p, _ in self._arrivals if p not in self._names]
         if unknown:
             raise RuntimeError(f"DDP reduces {len(unknown)} parameters that ddp_model.parameters() does not list")
-        params = sorted({p for p, _ in self._arrivals}, key=self._order.__getitem__)
-        self._plan = plan_buckets(params, self._bucket_size_mb, None)
-        for codec_bucket in self._plan:
-            offsets = [0, *torch.tensor(codec_bucket.sizes).cumsum(0).tolist()]
-            self._home.update((p, (codec_bucket, lo)) for p, lo in zip(codec_bucket.params, offsets))
+        order = {p: i for i, p in enumerate(self._names)}
+        params = sorted({p for p, _ in self._arrivals}, key=order.__getitem__)
+        self._state.plan = plan_buckets(params, self._names, self._bucket_size_mb)
+        self._home = {p: b for b in self._state.plan for p in b.params}
+        self._ready = {b: 0 for b in self._state.plan}
 
     def _deliver(self) -> None:
-        copy = isinstance(self.codec, ElementwiseCodec)
         for p, grad in self._arrivals:
             home = self._home.get(p)
             if home is None:
                 raise RuntimeError("DDP reduced a parameter that its first step did not; hvdcomp's codec buckets "
                                    "are planned at the first step: register the hook on the final model")
-            codec_bucket, lo = home
             self._destinations[p] = grad
-            if copy:
-                codec_bucket.buffer[lo:lo + grad.numel()].copy_(grad.reshape(-1))
-            codec_bucket.ready += 1
+            self._ready[home] += 1
         self._arrivals.clear()
 
     def _launch_ready(self) -> None:
         """Start the complete codec buckets, in plan order."""
-        plan = self._plan
-        while self._next_launch < len(plan) and plan[self._next_launch].ready == len(plan[self._next_launch].params):
+        plan = self._state.plan
+        while self._next_launch < len(plan):
             codec_bucket = plan[self._next_launch]
+            if self._ready[codec_bucket] < len(codec_bucket.params):
+                return
             self._next_launch += 1
-            if not self._agreed:
-                self._agree_on_state()
-            last = self.stats.last_step
-            last.uncompressed_bytes += sum(self._destinations[p].numel() * self._destinations[p].element_size()
-                                           for p in codec_bucket.params)
-            started = time.perf_counter()
-            grads = [self._destinations[p] for p in codec_bucket.params]
-            exchange = bucket_exchange(self.codec, codec_bucket.buffer, grads, f"bucket{codec_bucket.index}",
-                                       self.step, self.transport, self.hierarchical)
-            running = _Running(codec_bucket, exchange)
-            last.compress_s += time.perf_counter() - started
-            if not self._feed(running, None):
-                self._running.append(running)
+            self._runner.launch(codec_bucket, [self._destinations[p] for p in codec_bucket.params], self._write_back)
 
-    def _feed(self, running: _Running, result: torch.Tensor | None) -> bool:
-        """Send ``result`` (None: start) to the exchange and start its next collective; True when it finished
-        (its means are then written back)."""
-        last = self.stats.last_step
-        started = time.perf_counter()
-        try:
-            op, tensor = next(running.exchange) if result is None else running.exchange.send(result)
-        except StopIteration as done:
-            self._write_back(running.bucket, done.value)
-            last.decompress_s += time.perf_counter() - started
-            return True
-        queued = time.perf_counter()
-        last.compress_s += queued - started
-        last.count(op, tensor, self.transport)
-        running.handle = self.transport.start(op, tensor)
-        last.communicate_s += time.perf_counter() - queued
-        return False
-
-    def _advance_running(self, in_flight: list[_Running], finish: bool) -> None:
-        """Advance each exchange of ``in_flight``, in launch order: by one round, or to its end when ``finish`` or
-        hierarchical (see the module docstring)."""
-        for running in in_flight:
-            done = False
-            while not done:
-                waited = time.perf_counter()
-                result = self.transport.wait(running.handle)
-                self.stats.last_step.communicate_s += time.perf_counter() - waited
-                done = self._feed(running, result)
-                if not (finish or self.hierarchical):
-                    break
-            if done:
-                self._running.remove(running)
-
-    def _write_back(self, codec_bucket: Bucket, result: Any) -> None:
-        means = result.split(codec_bucket.sizes) if isinstance(result, torch.Tensor) else result
+    def _write_back(self, codec_bucket: Bucket, means: list[torch.Tensor], keep: bool) -> None:
         for p, mean in zip(codec_bucket.params, means):
-            destination = self._destinations[p]
-            destination.copy_(mean.view(destination.shape))
+            self._destinations[p].copy_(mean)
 
     def _finish_step(self) -> None:
-        while self._running:
-            self._advance_running(list(self._running), finish=True)
-        if self._next_launch != len(self._plan):
+        self._runner.finish()
+        if self._next_launch != len(self._state.plan):
             raise RuntimeError("DDP reduced fewer parameters than at its first step; hvdcomp's codec buckets are "
                                "planned at the first step: register the hook on the final model")
         futures = self._futures
         self._reset_step()
-        self.stats.end_step()
-        self.step += 1
         for buffer, future in futures:
             future.set_result(buffer)
 
     def _abandon_step(self, error: BaseException) -> None:
         futures = self._futures
+        self._runner.drop()
         self._reset_step()
-        self._agreed = False
+        self._state.agreed = False
         for _, future in futures:
             if not future.done():
                 future.set_exception(error)
 
     def _reset_step(self) -> None:
-        self._futures, self._running, self._next_launch = [], [], 0
+        self._futures, self._next_launch = [], 0
         self._arrivals.clear()
         self._destinations.clear()
-        for codec_bucket in self._plan or ():
-            codec_bucket.ready = 0
-
-    def _agree_on_state(self) -> None:
-        """Before the first exchange after construction or ``load_state_dict``: every worker must hold the
-        same exchange step and configure the codec alike (a tag of its type, configuration, route, world
-        size and codec buckets); one float64 MAX of 4 values, not counted in ``stats``."""
-        codec = self.codec
-        config = getattr(codec, "config", tuple)()
-        tag = carrier.to_tag(stable_seed(type(codec).__name__, config, self.hierarchical, self.transport.size,
-                                         [tuple(b.sizes) for b in self._plan]))
-        step = float(self.step)
-        request = torch.tensor([step, -step, tag, -tag], dtype=torch.float64, device=self._plan[0].buffer.device)
-        seen = self.transport.collective(Op.MAX, request).tolist()
-        if seen[0] != -seen[1]:
-            raise RuntimeError(f"hvdcomp.ddp: the workers hold different hook states (exchange steps {int(-seen[1])} "
-                               f"to {int(seen[0])}): every worker must load its own state.state_dict(), or none")
-        if seen[2] != -seen[3]:
-            raise RuntimeError("hvdcomp.ddp: the workers configured the hook differently (compression, its "
-                               "settings, hierarchical, or the model's parameters): register it alike on every worker")
-        self._agreed = True
+        for codec_bucket in self._ready:
+            self._ready[codec_bucket] = 0
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -301,6 +207,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
 # DDP checks the hook's annotations as objects; this module's are strings (``from __future__ import annotations``)
 compression_hook.__annotations__.update(bucket=dist.GradBucket, state=CompressionState)
 compression_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
 
 def register(ddp_model: DistributedDataParallel, compression: Any, process_group: Any = None,
              hierarchical: bool | None = None, bucket_size_mb: float | None = None) -> CompressionState:
@@ -328,7 +235,7 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
-    codec = codec_for(compression)
+    codec = resolve_codec(compression)
     hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
     if bucket_size_mb is None:
         bucket_size_mb = ddp_model.bucket_bytes_cap / 2**20
@@ -340,6 +247,8 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
                          f"(LOCAL_WORLD_SIZE {transport.local_size} of {transport.size} workers, not the same on "
                          "every node, or a smaller group); pass hierarchical=False")
     codec.bind_transport(transport)
-    state = CompressionState(codec, transport, hierarchical, bucket_size_mb, list(ddp_model.parameters()))
+    exchange_state = ExchangeState(codec, DOOR, {"hierarchical": hierarchical}, resolve_warmup(compression, None))
+    names = {p: name for name, p in ddp_model.named_parameters()}  # the model's order
+    state = CompressionState(exchange_state, transport, hierarchical, bucket_size_mb, names)
     ddp_model.register_comm_hook(state, compression_hook)
     return state

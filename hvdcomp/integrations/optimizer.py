@@ -32,7 +32,6 @@ re-synchronising after a membership change, resets the codec state only (``resum
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -42,25 +41,25 @@ import horovod.torch as hvd
 import torch
 
 from ..codec.validate import check_int, check_real
-from ..exchange.bucket import ElementwiseCodec
-from ..exchange.hierarchy import bucket_exchange
-from ..exchange.protocol import Exchange, Op, Transport
-from ..exchange.stats import Statistics
+from ..exchange.plan import Bucket, plan_buckets
+from ..exchange.protocol import Transport
+from ..exchange.runner import Runner
+from ..exchange.state import ExchangeState
 from ..transport.horovod import HorovodTransport
-from .buckets import Bucket, check_groups, collective_prefix, parameter_names, plan_buckets
-from .compressors import bucket_codec
+from .buckets import check_groups, collective_prefix, model_order, parameter_names
 from .launch import check_hierarchical, resolve_hierarchical
 from .parity import (
     STEP_AFTER_SYNCHRONIZE,
     attach_weak_hooks,
     called_by_broadcast_optimizer_state,
+    called_by_elastic_sync,
     claim_codec,
     remove_hooks,
 )
-from .resume import agree_on_state, exchange_state, load_exchange_state, remember_fresh_codec
-from .warmup import WARMUP_CODEC, resolve_warmup
+from .resolve import resolve_codec, resolve_warmup
 
 DEFAULT_BUCKET_MB = 25.0
+DOOR = "hvdcomp.DistributedOptimizer"
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -83,7 +82,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         warmup_steps: int | None,
     ) -> None:
         super(self.__class__, self).__init__(params)
-        self._parameter_names = parameter_names(named_parameters, self.param_groups)
+        named = None if named_parameters is None else list(named_parameters)
+        self._parameter_names = parameter_names(named, self.param_groups)
         check_int("backward_passes_per_step", backward_passes_per_step, 1)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvdcomp.DistributedOptimizer supports op=hvd.Average and op=hvd.Sum")
@@ -103,17 +103,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._warned_sparse = False
         self._sparse: dict[torch.nn.Parameter, Any] = {}  # Horovod's sparse all-reduces in flight
         self._hierarchical = resolve_hierarchical(hierarchical, default=False)
-        self._warmup_steps = resolve_warmup(warmup_steps, compression)
         self._synchronized = False
         self._should_synchronize = True
-        self._fresh_step = True
-        self._inflight: list[Bucket] = []
-        self._exchange_step = 0
         self._hooks: list[Any] = []
-        self._codec = None
-        self.stats = Statistics()
-        self._agreed = self._resync = False
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._state: ExchangeState | None = None
+        # the model's order (named_parameters), not the optimizer's: the same on every worker
+        trainable = model_order([p for group in self.param_groups for p in group["params"] if p.requires_grad], named)
         # On every rank, inside the process set or not, so that the names agree everywhere.
         self._prefix = collective_prefix([self._parameter_names[p] for p in trainable],
                                          "transport" if transport is not None else process_set.process_set_id)
@@ -122,17 +117,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         per_node = 1 if self._hierarchical else self._transport.local_size  # workers sharing an uplink in an exchange
-        self._codec = claim_codec(bucket_codec(compression, exchange, per_node), self)
-        self._codec.bind_transport(self._transport)
-        remember_fresh_codec(self)
+        codec = claim_codec(resolve_codec(compression, exchange, per_node), self)
+        codec.bind_transport(self._transport)
+        settings = {"op": "average" if self._average else "sum", "backward_passes_per_step": self._passes,
+                    "hierarchical": self._hierarchical, "exchange": exchange}
+        self._state = ExchangeState(codec, DOOR, settings, resolve_warmup(compression, warmup_steps))
         if self._hierarchical:
             check_hierarchical(self._transport)
         if bucket_size_mb is None:
-            bucket_size_mb = self._codec.bucket_mb or DEFAULT_BUCKET_MB
-        self._buckets = plan_buckets(trainable, bucket_size_mb, groups)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+            bucket_size_mb = codec.bucket_mb or DEFAULT_BUCKET_MB
+        self._state.plan = plan_buckets(trainable, self._parameter_names, bucket_size_mb, groups)
+        self._runner = Runner(self._transport, self._state.stats, self._prefix, self._state, self._hierarchical)
+        self._bucket_of = {p: b for b in self._state.plan for p in b.params}
         self._counts = {p: 0 for p in trainable}
+        self._ready = {b: 0 for b in self._state.plan}  # gradients complete this step, per bucket
+        self._launched: set[Bucket] = set()
         self._hooks = attach_weak_hooks(self, trainable)
+
+    @property
+    def stats(self) -> Any:
+        """``hvdcomp.exchange.Statistics``: bytes and seconds of the last step and in total (``None`` on a rank
+        outside the process set)."""
+        return None if self._state is None else self._state.stats
 
     def _accumulating(self) -> bool:
         """Whether gradients arrived since the last ``synchronize()`` (Horovod's ``_handles``)."""
@@ -152,7 +158,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         remove_hooks(self._hooks)
         self._included = False
 
-    # -- gradient hooks and progress ---------------------------------------------------------------
+    # -- gradient hooks ------------------------------------------------------------------------------------------
     def _on_gradient(self, p: torch.nn.Parameter) -> None:
         bucket = self._bucket_of[p]
         if p.grad is not None and p.grad.dtype != bucket.dtype:
@@ -165,10 +171,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._counts[p] == self._passes:
             if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
                 self._reduce_sparse(p)
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params) and not self._transport.blocking:
+            self._ready[bucket] += 1
+            # collectives matched by name may start as soon as a bucket is complete; by call order only in
+            # synchronize(), where every worker starts them in bucket order whatever its backward did
+            if self._ready[bucket] == len(bucket.params) and not self._transport.blocking:
                 self._launch(bucket)
-        self._progress()
+        if not self._transport.blocking:
+            self._runner.progress()
 
     def _reduce_sparse(self, p: torch.nn.Parameter) -> None:
         """``sparse_as_dense=False``: reduce a sparse gradient as Horovod does (its sparse all-reduce,
@@ -189,89 +198,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
 
-    def _bucket_exchange(self, bucket: Bucket) -> Exchange:
-        key, step = f"bucket{bucket.index}", self._exchange_step
-        grads = [self._dense_grad(p) for p in bucket.params]
-        codec = self._codec if step >= self._warmup_steps else WARMUP_CODEC
-        bucket.result_kept = isinstance(codec, ElementwiseCodec) and not codec.reuses_result
-        if isinstance(codec, ElementwiseCodec):
-            pieces = bucket.buffer.split(bucket.sizes)  # the flat bucket, one view per gradient
-            for grad, piece in zip(grads, pieces):
-                piece.copy_(grad.reshape(-1)) if grad is not None else piece.zero_()
-            grads = list(pieces)
-        else:
-            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
-        return bucket_exchange(codec, bucket.buffer, grads, key, step, self._transport, self._hierarchical)
-
     def _launch(self, bucket: Bucket) -> None:
-        if self._fresh_step:
-            self.stats.begin_step()
-            self._fresh_step = False
-        if not self._agreed:
-            agree_on_state(self)
-        started = time.perf_counter()
-        bucket.launched = True
-        bucket.exchange = self._bucket_exchange(bucket)
-        op, tensor = next(bucket.exchange)
-        self.stats.last_step.compress_s += time.perf_counter() - started
-        self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
-        self._start(bucket, op, tensor)
-        self._inflight.append(bucket)
+        self._launched.add(bucket)
+        self._runner.launch(bucket, [self._dense_grad(p) for p in bucket.params], self._write_back)
 
-    def _start(self, bucket: Bucket, op: Op, tensor: torch.Tensor) -> None:
-        self.stats.last_step.count(op, tensor, self._transport)
-        started = time.perf_counter()
-        # Name by scope: workers of one node (or one cross-node group) run the same sequence of their
-        # scope's collectives, even where a shard leaves one worker fewer rounds of another scope.
-        count = bucket.rounds.get(op.scope, 0)
-        bucket.rounds[op.scope] = count + 1
-        name = f"{self._prefix}.bucket{bucket.index}.{op.scope.value}{count}.{op.name.lower()}"
-        bucket.handle = self._transport.start(op, tensor, name)
-        self.stats.last_step.communicate_s += time.perf_counter() - started
-
-    def _advance(self, bucket: Bucket) -> bool:
-        """Take the bucket's finished collective and start its next one; True when the exchange is done."""
-        started = time.perf_counter()
-        result = self._transport.wait(bucket.handle)
-        waited = time.perf_counter()
-        self.stats.last_step.communicate_s += waited - started
-        try:
-            op, tensor = bucket.exchange.send(result)
-        except StopIteration as done:
-            self._write_back(bucket, done.value)
-            self.stats.last_step.decompress_s += time.perf_counter() - waited
-            bucket.exchange = bucket.handle = None
-            bucket.rounds.clear()
-            return True
-        self.stats.last_step.compress_s += time.perf_counter() - waited
-        self._start(bucket, op, tensor)
-        return False
-
-    def _progress(self) -> None:
-        """Advance in-flight buckets whose collective has completed, without blocking."""
-        poll = getattr(self._transport, "poll", None)
-        for bucket in list(self._inflight):
-            while poll is not None and poll(bucket.handle):
-                if self._advance(bucket):
-                    self._inflight.remove(bucket)
-                    break
-
-    def _write_back(self, bucket: Bucket, result: Any) -> None:
-        """Each gradient <- its mean: a view of ``result`` itself (no copy) where the codec never writes it again,
-        it is not the bucket's own buffer, and the parameter is a contiguous float32 one; else a copy."""
-        means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
-        keep = bucket.result_kept and result.untyped_storage().data_ptr() != bucket.buffer.untyped_storage().data_ptr()
+    def _write_back(self, bucket: Bucket, means: list[torch.Tensor], keep: bool) -> None:
+        """Each gradient <- its mean: the mean itself (no copy) where ``keep`` allows and the parameter is a
+        contiguous one of the mean's dtype; else a copy."""
         for p, mean in zip(bucket.params, means):
             if p in self._sparse:
                 continue
             if p.grad is not None and p.grad.is_sparse:  # back to sparse, as Horovod returns it
-                p.grad = mean.view(p.shape).to(p.dtype).to_sparse()
+                p.grad = mean.to(p.dtype).to_sparse()
             elif keep and p.dtype == mean.dtype and p.is_contiguous():
-                p.grad = mean.view(p.shape)
+                p.grad = mean
             else:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.copy_(mean.view(p.shape))
+                p.grad.copy_(mean)
             if not self._average:
                 p.grad.mul_(self._transport.size)
 
@@ -285,27 +229,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._included:
             self._synchronized = True
             return
-        for bucket in self._buckets:
-            if not bucket.launched:
+        for bucket in self._state.plan:
+            if bucket not in self._launched:
                 self._launch(bucket)
-        pending = sorted(self._inflight, key=lambda b: b.index)
-        poll = None if self._transport.blocking else self._transport.poll
-        while pending:  # the first bucket whose collective completed, else (blocking on it) the lowest
-            bucket = next((b for b in pending if poll(b.handle)), pending[0]) if poll else pending[0]
-            if self._advance(bucket):
-                pending.remove(bucket)
-        self._inflight.clear()
+                self._runner.progress()
+        self._runner.finish()
         for p, handle in self._sparse.items():
             p.grad = handle()  # Horovod's sparse all-reduce returns the reduced sparse gradient
+        self._end_step()
+        self._synchronized = True
+
+    def _end_step(self) -> None:
+        """Forget this step's progress (after its exchanges finished, or to drop them)."""
         self._sparse.clear()
-        for bucket in self._buckets:
-            bucket.ready, bucket.launched = 0, False
+        self._launched.clear()
+        for bucket in self._ready:
+            self._ready[bucket] = 0
         for p in self._counts:
             self._counts[p] = 0
-        self.stats.end_step()
-        self._exchange_step += 1
-        self._synchronized = True
-        self._fresh_step = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -332,10 +273,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(super(self.__class__, self).state_dict(), hvdcomp=exchange_state(self))
+        """Torch's state dict plus ``"hvdcomp"``: this worker's exchange state (``ExchangeState.state_dict``).
+        Called by Horovod elastic's re-synchronisation (every worker, after a membership change), it first drops
+        what a failed step left in flight, forgets the old world's topology and agrees again at the next step,
+        adopting the highest exchange step and resetting the codec state."""
+        if self._state is not None and called_by_elastic_sync():
+            self._drop()
+            self._transport.forget_topology()
+            self._state.resync = True
+        ours = None if self._state is None else self._state.state_dict(self._transport.size)
+        return dict(super(self.__class__, self).state_dict(), hvdcomp=ours)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_exchange_state(self, state_dict, super(self.__class__, self).load_state_dict)
+        """Load ``state_dict()``'s output (or a plain torch state dict: the exchange state stays). The hvdcomp
+        part is checked first (``ExchangeState.check_state``): a state of another compressor raises
+        ``ValueError`` before anything changes. Saved by another number of workers, the codec state starts
+        afresh, with a warning."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("hvdcomp", None)
+        if ours is not None and self._state is not None:
+            self._state.check_state(ours, self._transport.size)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if self._state is None:
+            return
+        self._drop()
+        self._state.agreed = False
+        if ours is not None:
+            self._state.load_state_dict(ours, self._transport)
+
+    def _drop(self) -> None:
+        """Forget a step's exchanges (after a failure, or before loading a state): nothing in flight."""
+        self._runner.drop()
+        self._end_step()
+        self._synchronized = False
 
 
 def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)

@@ -70,10 +70,9 @@ def remove_hooks(handles: list[Any]) -> None:
 def claim_codec(codec: Any, optimizer: Any) -> Any:
     """``codec``, now serving ``optimizer``; ``ValueError`` if it already serves another live one (its
     state, e.g. error-feedback memory keyed by bucket, would mix the two). A codec around another
-    (``TwoStageMaxNorm.lanes``) claims that one too."""
-    inner = getattr(codec, "lanes", None)
-    if inner is not None:
-        claim_codec(inner, optimizer)
+    (``inner``) claims that one too."""
+    if codec.inner is not None:
+        claim_codec(codec.inner, optimizer)
     owner = _CODEC_OWNERS.get(codec)
     live = None if owner is None else owner()
     if live is not None and live is not optimizer and live._included:

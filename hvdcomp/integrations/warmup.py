@@ -13,24 +13,11 @@ sets, follow the exchange step, which counts warm-up steps).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ..codec.validate import check_int
-from ..exchange.elementwise import NoCompression
 from ..exchange.protocol import Op, Topology
 from ..exchange.stats import Statistics
-
-WARMUP_CODEC = NoCompression()  # stateless: one serves every optimizer
-
-
-def resolve_warmup(warmup_steps: int | None, compression: Any) -> int:
-    """``DistributedOptimizer``'s warm-up: ``warmup_steps`` if given, else the compressor's (``QSGDMaxNorm(...,
-    warmup_steps=N)``), else 0."""
-    if warmup_steps is None:
-        return getattr(compression, "warmup_steps", 0)
-    return check_int("warmup_steps", warmup_steps, 0)
 
 
 @dataclass

@@ -14,18 +14,10 @@ at 1 Gbit/s, 23.5 MB per peer took 0.38 to 0.41 s in one all-to-all and 0.22 s i
 pieces cost more than they save: 0.09 to 0.13 s against 0.06 to 0.08 s. Horovod all-gathers cut into pieces
 gain nothing: Horovod fuses them back into one.
 
-A float16 ``SUM`` (``sums_float16``) is Horovod's own all-reduce where its Gloo sums float16 with F16C/AVX
-(``HOROVOD_SUMS_FLOAT16``: a build of ``scripts/install_horovod.sh``, whose wheels carry the local version
-label ``hvdcomp.f16c``). Horovod as released never compiles Gloo's vector float16 sum: its Gloo path then
-converts each element in software, at about half fp32's speed over 1 Gbit/s (ResNet-50's gradient, 2 nodes:
-0.91 s against fp32's 0.86, and 0.48 with the vector sum). There the SUM runs here as a reduce-scatter and an
-all-gather, both of all-to-all pieces: the flat tensor is cut into windows of ``W * ALLTOALL_PIECE_BYTES / 2``
-elements, each window's all-to-all sends its ``W`` near-equal parts (no copy: a window is a contiguous slice);
-each worker sums its part of every worker's window at float32 in rank order, rounded once
-(``codec.half.sum_rows_to_half``), into one row per destination as soon as that window arrives, and
-all-to-alls those rows back: each returns the window's sums, copied into the result as it arrives. Either
-way every worker gets the same bits (Horovod's ring rounds each partial sum, the windows round once: with 2
-workers both are one rounding of the float32 sum).
+``sums_float16`` is True where Horovod's Gloo sums float16 with F16C/AVX (a build of
+``scripts/install_horovod.sh``, whose wheels carry the local version label ``hvdcomp.f16c``). Horovod as
+released converts each float16 element in software (``docs/benchmarks.md``), so there ``FP16`` takes its
+reduce-scatter and all-gather route instead of asking for a float16 ``SUM``.
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from ..codec.half import sum_rows_to_half
 from ..codec.recycle import ResultBuffers
-from ..exchange.protocol import Op, Reduction, Scope
+from ..exchange.protocol import Op, Reduction, Scope, Transport
 
 _DYNAMIC_SETS_NEEDED = (
     "hierarchical exchanges over Horovod need dynamic process sets: start Horovod with hvdcomp.init() instead of "
@@ -128,15 +119,6 @@ def _in_pieces(tensor: torch.Tensor, gather: bool, name: str | None, group: hvd.
     return pieces
 
 
-def _piece_name(name: str | None, kind: str, index: int) -> str | None:
-    return None if name is None else f"{name}.{kind}{index}"
-
-
-def _near_equal_splits(length: int, workers: int) -> list[int]:
-    """``length`` elements as ``workers`` parts, the first ``length % workers`` one longer."""
-    return [length // workers + (j < length % workers) for j in range(workers)]
-
-
 def _synchronize(handle: Any) -> Any:
     """``hvd.synchronize(handle)``, sleeping ``WAIT_POLL_SECONDS`` between polls until the collective is done.
     Horovod 0.28.1's own wait spins on ``sched_yield``: for as long as a collective runs, it holds a core that
@@ -146,70 +128,13 @@ def _synchronize(handle: Any) -> Any:
     return hvd.synchronize(handle)
 
 
-@dataclass
-class _HalfSum:
-    """A float16 SUM in flight (the module docstring): the ``span`` of a window (elements), the ``result`` (the
-    input's shape, filled window by window), and per window the handle of its reduce-scatter, then (once summed)
-    of its all-gather, then (once copied into ``result``) None."""
-
-    span: int
-    result: torch.Tensor
-    name: str | None
-    group: hvd.ProcessSet
-    scatters: list[Any]
-    gathers: list[Any]
-
-    @classmethod
-    def start(cls, tensor: torch.Tensor, name: str | None, group: hvd.ProcessSet) -> _HalfSum:
-        workers = group.size()
-        span = workers * max(1, ALLTOALL_PIECE_BYTES // tensor.element_size())
-        scatters = [hvd.alltoall_async(window, splits=_near_equal_splits(window.numel(), workers),
-                                       name=_piece_name(name, "scatter", index), process_set=group)
-                    for index, window in enumerate(tensor.contiguous().view(-1).split(span))]
-        return cls(span, torch.empty_like(tensor, memory_format=torch.contiguous_format), name, group, scatters,
-                   [None] * len(scatters))
-
-    def advance(self, block: bool) -> None:
-        """Sum each window whose reduce-scatter has arrived and start its all-gather; copy each all-gathered
-        window into ``result`` (``block``: every window, waiting in order). Without a name only ``block``
-        advances: unnamed collectives pair by call order."""
-        if not block and self.name is None:
-            return
-        workers = self.group.size()
-        for index, scattered in enumerate(self.scatters):
-            if scattered is None or not (block or hvd.poll(scattered)):
-                continue
-            received, _ = _synchronize(scattered)  # [W * mine]: my part of every worker's window, by rank
-            mine = received.numel() // workers
-            rows = received.new_empty(workers, mine)  # my part's sum, once per destination
-            if mine:
-                sum_rows_to_half(received.view(workers, mine), out=rows)
-            self.scatters[index] = None
-            self.gathers[index] = hvd.alltoall_async(rows.view(-1), splits=[mine] * workers,
-                                                     name=_piece_name(self.name, "gather", index),
-                                                     process_set=self.group)
-        sums = self.result.view(-1).split(self.span)
-        for index, gathered in enumerate(self.gathers):
-            if gathered is not None and (block or hvd.poll(gathered)):
-                sums[index].copy_(_synchronize(gathered)[0])  # the window's sums, in order
-                self.gathers[index] = None
-
-    def poll(self) -> bool:
-        self.advance(block=False)
-        return all(handle is None for handle in self.scatters + self.gathers)
-
-    def wait(self) -> torch.Tensor:
-        self.advance(block=True)
-        return self.result
-
-
-class HorovodTransport:
+class HorovodTransport(Transport):
     """Collectives over Horovod. Flat ops use ``process_set`` (default: all workers); node-local and
     cross-node ops use process sets built from ``local_rank`` / ``cross_rank`` (created on first use,
     global process set only)."""
 
     blocking = False  # asynchronous, matched across workers by name
-    sums_float16 = True  # Horovod's vector sum, or all-to-all pieces summed here (the module docstring)
+    sums_float16 = HOROVOD_SUMS_FLOAT16
 
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
@@ -267,8 +192,6 @@ class HorovodTransport:
             if op.reduction is Reduction.ALLTOALL:  # equal parts along dim 0 (Horovod 0.28.1: any dtype)
                 pieces = _in_pieces(tensor, False, name, group)
                 return pieces if pieces is not None else hvd.alltoall_async(tensor, name=name, process_set=group)
-            if op.reduction is Reduction.SUM and tensor.dtype == torch.float16 and not HOROVOD_SUMS_FLOAT16:
-                return _HalfSum.start(tensor, name, group)
             reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
             if name is None:
                 return hvd.allreduce_async(tensor, op=reduce_op, process_set=group)
@@ -285,15 +208,11 @@ class HorovodTransport:
                 "after an error on another rank, or the set was removed)") from error
 
     def poll(self, handle: Any) -> bool:
-        if isinstance(handle, _HalfSum):
-            return handle.poll()
         if isinstance(handle, _Pieces):
             return all(hvd.poll(piece) for _, _, piece in handle.handles)
         return hvd.poll(handle)
 
     def wait(self, handle: Any) -> torch.Tensor:
-        if isinstance(handle, _HalfSum):
-            return handle.wait()
         if isinstance(handle, _Pieces):
             for lo, hi, piece in handle.handles:  # each piece's rows, by sender, into its columns
                 handle.out[:, lo:hi] = self.wait(piece).view(handle.out.shape[0], hi - lo)

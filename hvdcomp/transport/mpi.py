@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..exchange.protocol import Op, Reduction, Scope
+from ..exchange.protocol import Op, Reduction, Scope, Transport
 
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 _HALF_OPS: dict[tuple[torch.dtype, Reduction], Any] = {}
@@ -39,7 +39,7 @@ def _half_op(mpi: Any, dtype: torch.dtype, reduction: Reduction) -> Any:
     return op
 
 
-class MPITransport:
+class MPITransport(Transport):
     """Collectives over mpi4py (``comm``: default ``MPI.COMM_WORLD``; see the module docstring)."""
 
     blocking = True  # start() runs the collective: workers must start them in the same order

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..exchange.protocol import Op, Placement, Reduction, Scope
+from ..exchange.protocol import Op, Placement, Reduction, Scope, Transport
 
 # The last few finished works, of every transport: a Gloo worker thread drops its reference to a work
 # just after completing it, and when that is the last reference, freeing the work's tensors (Python-made)
@@ -61,7 +61,7 @@ def _local_size_from_launcher(size: int) -> int:
     return int(value) if value else size
 
 
-class TorchDistributedTransport:
+class TorchDistributedTransport(Transport):
     """Collectives over torch.distributed (see the module docstring).
 
     Args:

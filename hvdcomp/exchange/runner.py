@@ -1,0 +1,225 @@
+"""``Runner``: the one scheduler of every entry point's exchanges.
+
+An entry point (``hvdcomp.DistributedOptimizer``, the DDP hook, ``Birder``) says when a bucket's gradients are
+ready (``launch``) and where its means go (``deliver``); the runner does the rest, the same way for all of them:
+
+- **launching**: the step's codec (``NoCompression`` during warm-up, ``hvdcomp.exchange.state``) gets the
+  bucket's gradients (element-wise codecs: copied into the bucket's persistent flat buffer, zeros for a missing
+  gradient), its exchange (flat or hierarchical, ``hierarchy.bucket_exchange``) runs to its first request, and
+  that collective starts at once;
+- **advancing**: ``progress()`` (called from every event of the entry point, e.g. each gradient hook) and
+  ``finish()`` advance exchanges as their collectives complete, by the transport's ordering:
+
+  - *by name* (Horovod, ``blocking`` False): ``progress`` advances every exchange whose collective has
+    completed, without blocking; ``finish`` advances whichever has completed, else blocks on the lowest bucket
+    still in flight (which every worker reaches: no deadlock);
+  - *by call order* (MPI, torch.distributed): every worker must start the same collectives in the same order,
+    so ``progress`` advances each exchange launched before the previous ``progress`` by exactly one round
+    (queued behind the ones just launched: the link stays busy while the next bucket encodes), and ``finish``
+    runs them to their ends in launch order. Hierarchical exchanges, whose cross-node rounds may differ between
+    local ranks, each run to their end when advanced;
+- **naming**: ``f"{prefix}.{key}.{scope}{n}.{op}"``: the same on every worker, counted per scope (workers of
+  one node, or one cross-node group, run the same sequence of their scope's collectives);
+- **metering**: bytes per request and seconds (``compress_s`` before a request, ``communicate_s`` waiting,
+  ``decompress_s`` after the last result) into ``stats.last_step``; ``finish`` ends the step;
+- **agreement**: before the first exchange after construction, a load or an elastic re-synchronisation, the
+  state's ``agree`` (``hvdcomp.exchange.state``): workers configured differently raise on every worker;
+- **write-back**: ``deliver(bucket, means, keep)`` gets one mean per tensor, in the gradient's shape, and
+  ``keep``: whether the means may be kept as they are (they are no buffer the codec or the bucket writes
+  again) instead of being copied.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .bucket import ElementwiseCodec
+from .hierarchy import bucket_exchange
+from .plan import Bucket
+from .protocol import Exchange, Op, Scope, Transport
+from .state import ExchangeState
+from .stats import Statistics
+
+Deliver = Callable[[Any], None]
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass(eq=False)
+class _Flight:
+    """An exchange in flight: its name, where its result goes, its current collective's handle."""
+
+    order: int  # the same on every worker: ``finish`` blocks on the lowest (bucket index, chunk index)
+    key: str
+    exchange: Exchange
+    deliver: Deliver
+    handle: Any = None
+    rounds: dict[Scope, int] = field(default_factory=dict)
+
+
+def fill_flat(flat: torch.Tensor, grads: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Copy ``grads`` (``None``: zeros) into ``flat``, one view per gradient, and return the views. A float64
+    gradient copied into a float32 ``flat`` is clamped to float32's range first (never turned into Inf)."""
+    views = list(flat.split(list(sizes)))
+    for grad, view in zip(grads, views):
+        if grad is None:
+            view.zero_()
+        elif grad.dtype == torch.float64 and flat.dtype == torch.float32:
+            torch.clamp(grad.reshape(-1), -_FLOAT32_MAX, _FLOAT32_MAX, out=view)
+        else:
+            view.copy_(grad.reshape(-1))
+    return views
+
+
+class Runner:
+    """See the module docstring.
+
+    Args:
+        transport: carries the collectives.
+        stats: where the bytes and seconds go (``Statistics``).
+        prefix: the collective names' prefix, the same on every worker.
+        state: the entry point's ``ExchangeState`` (codec, step, plan, agreement), for ``launch``.
+        hierarchical: bucket exchanges sum inside nodes first (``hierarchy``).
+    """
+
+    def __init__(self, transport: Transport, stats: Statistics, prefix: str, state: ExchangeState | None = None,
+                 hierarchical: bool = False) -> None:
+        self.transport, self.stats, self.prefix = transport, stats, prefix
+        self.state, self.hierarchical = state, hierarchical
+        self._flights: list[_Flight] = []
+        self._launched_since: list[_Flight] = []  # by call order: not advanced by the next progress()
+        self._open = False
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._flights)
+
+    # -- launching ---------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Open the step's statistics (once per step; ``launch`` calls it)."""
+        if not self._open:
+            self.stats.begin_step()
+            self._open = True
+
+    def launch(self, bucket: Bucket, grads: Sequence[torch.Tensor | None],
+               deliver: Callable[[Bucket, list[torch.Tensor], bool], None]) -> None:
+        """Start ``bucket``'s exchange of ``grads`` (one per tensor, ``None`` for zeros) with the state's codec of
+        this step; ``deliver(bucket, means, keep)`` receives its result (see the module docstring)."""
+        state = self.state
+        if state is None:
+            raise RuntimeError("Runner.launch needs the entry point's ExchangeState")
+        self.begin_step()
+        if not state.agreed:
+            state.agree(self.transport, f"{self.prefix}.agree")
+        started = time.perf_counter()
+        codec = state.step_codec()
+        self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
+        flat = None
+        if isinstance(codec, ElementwiseCodec):
+            flat = bucket.flat(codec.flat_dtype(bucket.dtype))
+            inputs: list[Any] = fill_flat(flat, grads, bucket.sizes)
+        else:
+            inputs = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
+        exchange = bucket_exchange(codec, flat, inputs, bucket.key, state.step, self.transport, self.hierarchical)
+        kept = flat is not None and not codec.reuses_result
+
+        def write_back(result: Any) -> None:
+            means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
+            keep = kept and result.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+            deliver(bucket, [mean.view(p.shape) for mean, p in zip(means, bucket.params)], keep)
+
+        self._launch(_Flight(bucket.index, bucket.key, exchange, write_back), started)
+
+    def launch_exchange(self, index: int, key: str, exchange: Exchange, deliver: Deliver) -> None:
+        """Start any exchange (e.g. one of Birder's chunks) under this runner; ``deliver(result)`` receives its
+        result. ``index`` orders it among the step's exchanges and ``key`` names its collectives, both the same
+        on every worker."""
+        self.begin_step()
+        self._launch(_Flight(index, key, exchange, deliver), time.perf_counter())
+
+    def _launch(self, flight: _Flight, started: float) -> None:
+        if not self._feed(flight, None, started):
+            self._flights.append(flight)
+            self._launched_since.append(flight)
+
+    # -- advancing ---------------------------------------------------------------------------------------------
+    def _feed(self, flight: _Flight, result: torch.Tensor | None, started: float) -> bool:
+        """Send ``result`` (None: start) into the exchange and start its next collective; True once it finished
+        (its result delivered)."""
+        traffic = self.stats.last_step
+        try:
+            op, tensor = next(flight.exchange) if result is None else flight.exchange.send(result)
+        except StopIteration as done:
+            flight.deliver(done.value)
+            traffic.decompress_s += time.perf_counter() - started
+            return True
+        queued = time.perf_counter()
+        traffic.compress_s += queued - started
+        self._start(flight, op, tensor)
+        traffic.communicate_s += time.perf_counter() - queued
+        return False
+
+    def _start(self, flight: _Flight, op: Op, tensor: torch.Tensor) -> None:
+        self.stats.last_step.count(op, tensor, self.transport)
+        count = flight.rounds.get(op.scope, 0)
+        flight.rounds[op.scope] = count + 1
+        name = f"{self.prefix}.{flight.key}.{op.scope.value}{count}.{op.name.lower()}"
+        flight.handle = self.transport.start(op, tensor, name)
+
+    def _advance(self, flight: _Flight) -> bool:
+        """Wait for the flight's collective and run it to its next request; True once it finished."""
+        started = time.perf_counter()
+        result = self.transport.wait(flight.handle)
+        waited = time.perf_counter()
+        self.stats.last_step.communicate_s += waited - started
+        done = self._feed(flight, result, waited)
+        if done:
+            self._flights.remove(flight)
+        return done
+
+    def _to_end(self, flight: _Flight) -> None:
+        while not self._advance(flight):
+            pass
+
+    def progress(self) -> None:
+        """Advance what may advance now (the module docstring)."""
+        if not self.transport.blocking:
+            for flight in list(self._flights):
+                while self.transport.poll(flight.handle) and not self._advance(flight):
+                    pass
+            return
+        older = [flight for flight in self._flights if flight not in self._launched_since]
+        self._launched_since.clear()
+        for flight in older:
+            self._to_end(flight) if self.hierarchical else self._advance(flight)
+
+    def finish(self) -> None:
+        """Run every exchange in flight to its end (the module docstring), close the step's statistics and count
+        the state's exchange step."""
+        if not self.transport.blocking:
+            pending = sorted(self._flights, key=lambda f: f.order)
+            while pending:  # the first whose collective completed, else (blocking on it) the oldest
+                flight = next((f for f in pending if self.transport.poll(f.handle)), pending[0])
+                if self._advance(flight):
+                    pending.remove(flight)
+        else:
+            for flight in list(self._flights):
+                self._to_end(flight)
+        self._launched_since.clear()
+        self.begin_step()  # a step without exchanges counts too
+        self.stats.end_step()
+        self._open = False
+        if self.state is not None:
+            self.state.step += 1
+
+    def drop(self) -> None:
+        """Forget the step's exchanges (after a failure, or before loading a state): nothing in flight."""
+        for flight in self._flights:
+            flight.exchange.close()
+        self._flights.clear()
+        self._launched_since.clear()
+        self._open = False
