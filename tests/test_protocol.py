@@ -9,7 +9,7 @@ from hvdcomp.codec.selection import RandomCoordinateSelector
 from hvdcomp.exchange.bucket import Segments
 from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
 from hvdcomp.exchange.hierarchy import hierarchical_elementwise
-from hvdcomp.exchange.protocol import Op, Transport, drive, drive_overlapped, relay
+from hvdcomp.exchange.protocol import Op, Transport, relay
 from hvdcomp.exchange.simulator import simulate
 
 TILES = 8000  # draws per element: 16 elements x 8000 tiles = 128k draws per scheme
@@ -431,46 +431,3 @@ def test_simulate_group_collectives():
     assert results[3] == (5.0, 4.0, [1.0, 3.0], [2.0, 3.0], 3.0)
     with pytest.raises(ValueError):
         simulate([worker(r) for r in range(3)], local_size=2)
-
-
-class _LoggingTransport(Transport):
-    """Two identical workers' SUMs, started and waited in a log: ``("start"|"wait", name)``."""
-
-    blocking = False
-
-    def __init__(self, log):
-        self.log, self.size = log, 2
-
-    def start(self, op, tensor, name=None):
-        self.log.append(("start", name))
-        return name, tensor * self.size
-
-    def wait(self, handle):
-        self.log.append(("wait", handle[0]))
-        return handle[1]
-
-    def collective(self, op, tensor):
-        return self.wait(self.start(op, tensor))
-
-
-def _two_rounds(index, log):
-    """Logs its compute, sums twice, returns both results."""
-    log.append(("compute", index))
-    first = yield Op.SUM, torch.full((3,), float(index))
-    log.append(("decode", index))
-    second = yield Op.SUM, first + 1
-    return first, second
-
-
-def test_drive_overlapped_starts_each_request_before_the_next_exchange_computes():
-    log = []
-    results = drive_overlapped([_two_rounds(i, log) for i in range(3)], _LoggingTransport(log), "t")
-    sequential = [drive(_two_rounds(i, []), _LoggingTransport([])) for i in range(3)]
-    for got, want in zip(results, sequential, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert log[:6] == [("compute", 0), ("start", "t.0.0"), ("compute", 1), ("start", "t.1.0"), ("compute", 2),
-                       ("start", "t.2.0")]  # every first request in flight before any wait
-    assert log[6:9] == [("wait", "t.0.0"), ("decode", 0), ("start", "t.0.1")]  # oldest first, next round at once
-    assert [entry for entry in log if entry[0] == "wait"] == [
-        ("wait", name) for name in ("t.0.0", "t.1.0", "t.2.0", "t.0.1", "t.1.1", "t.2.1")]
-    assert drive_overlapped([], _LoggingTransport([]), "t") == []

@@ -94,6 +94,10 @@ class FP16(ElementwiseCodec):
         super().bind_transport(transport)
         self.sums_float16 = transport.sums_float16
 
+    def config(self) -> tuple:
+        """What every worker must share: whether rounding errors are fed back."""
+        return (self.memory is not None,)
+
     def _buffers_for(self, key: Hashable, numel: int, world_size: int, device: torch.device) -> HalfBuffers:
         chunked = not self.sums_float16  # the all-to-all sends W equal parts
         buffers = self._buffers.get(key)

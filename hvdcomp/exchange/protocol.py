@@ -4,9 +4,9 @@ An *exchange* is a generator run identically on every worker: it yields ``(op, t
 receives each collective's result through ``send``, and returns its result (e.g. the averaged
 gradient). Any transport can carry it out: ``drive`` runs one to its end with blocking collectives,
 ``drive_together`` runs several of one worker up to an op with one collective per round,
-``drive_overlapped`` runs several of one worker with their collectives in flight together,
-``hvdcomp.exchange.simulator.simulate`` runs W workers in lockstep in one process, and the
-optimizer overlaps several with backward through ``Transport.start`` / ``poll`` / ``wait``.
+``hvdcomp.exchange.simulator.simulate`` runs W workers in lockstep in one process, and
+``hvdcomp.exchange.runner.Runner`` has every entry point's exchanges in flight together, overlapped with
+backward, through ``Transport.start`` / ``poll`` / ``wait``.
 
 An ``Op`` is a reduction (``SUM``, ``MAX``, ``ALLGATHER``: concatenation along dim 0, by rank;
 ``ALLTOALL``: each worker's tensor split into as many equal parts along dim 0 as the group has
@@ -27,7 +27,6 @@ Workers are laid out node by node: rank ``r`` is local rank ``r % local_size`` o
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -250,32 +249,6 @@ def drive_together(exchanges: Sequence[Exchange], transport: Transport, until: O
         parts = reduced.split([tensor.numel() for tensor in tensors])
         requests = [advance(exchange, part.view(tensor.shape))
                     for exchange, part, tensor in zip(exchanges, parts, tensors)]
-
-
-def drive_overlapped(exchanges: Sequence[Exchange], transport: Transport, name: str) -> list[Any]:
-    """Run ``exchanges`` to their ends with their collectives in flight together; return their results.
-
-    Each exchange runs up to its first request, which starts at once, before the next one runs, so an
-    exchange's codec work overlaps the collectives of those before it; then, oldest first, each waits for its
-    result and runs to its next request, started at once, or to its end. Every worker passes the same
-    exchanges in the same order: the collectives start in the same order everywhere (as blocking transports
-    need), named ``f"{name}.{index}.{round}"`` (as Horovod needs)."""
-    results: list[Any] = [None] * len(exchanges)
-    in_flight: collections.deque[tuple[int, int, Any]] = collections.deque()
-
-    def proceed(index: int, request: Request | StopIteration, round_: int) -> None:
-        if isinstance(request, StopIteration):
-            results[index] = request.value
-            return
-        op, tensor = request
-        in_flight.append((index, round_, transport.start(op, tensor, name=f"{name}.{index}.{round_}")))
-
-    for index, exchange in enumerate(exchanges):
-        proceed(index, advance(exchange, None), 0)
-    while in_flight:
-        index, round_, handle = in_flight.popleft()
-        proceed(index, advance(exchanges[index], transport.wait(handle)), round_ + 1)
-    return results
 
 
 def single(op: Op, tensor: torch.Tensor) -> Exchange:

@@ -68,10 +68,11 @@ def fill_flat(flat: torch.Tensor, grads: Sequence[torch.Tensor | None], sizes: S
     for grad, view in zip(grads, views):
         if grad is None:
             view.zero_()
-        elif grad.dtype == torch.float64 and flat.dtype == torch.float32:
-            torch.clamp(grad.reshape(-1), -_FLOAT32_MAX, _FLOAT32_MAX, out=view)
         else:
             view.copy_(grad.reshape(-1))
+            if grad.dtype == torch.float64 and flat.dtype == torch.float32:  # finite values beyond float32's range
+                overflow = view.isinf().logical_and_(grad.reshape(-1).isfinite())
+                view[overflow] = view[overflow].sign() * _FLOAT32_MAX
     return views
 
 

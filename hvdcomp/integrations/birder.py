@@ -13,8 +13,8 @@ The math is ``hvdcomp.codec.onebit``; this module is the optimizer: buffers, mas
 
 **Chunks.** The world route updates the moments, draws and sums in chunks (``onebit.world_chunks``) that
 ``step()`` has in flight together under the one ``Runner`` (``hvdcomp.exchange.runner``): a chunk's codec work
-overlaps the other chunks' sums, and each parameter is updated once the chunk that holds its end is decoded. The bits and the
-mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
+overlaps the other chunks' sums, and each parameter is updated once the chunk that holds its end is decoded.
+The bits and the mean are one whole draw's, and ``stats`` adds the chunks' (overlapping) seconds.
 
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);

@@ -1,0 +1,152 @@
+"""The one runner (``hvdcomp.exchange.runner``) and exchange state (``hvdcomp.exchange.state``), in one process:
+ordering by name and by call order, collective names, metering, write-back, agreement and checkpoints."""
+
+import pytest
+import torch
+
+from hvdcomp.exchange import FP16, NoCompression, Op, Statistics, Transport
+from hvdcomp.exchange.plan import plan_buckets, signature
+from hvdcomp.exchange.runner import Runner
+from hvdcomp.exchange.state import ConfigurationMismatchError, ExchangeState
+
+
+class _LoggingTransport(Transport):
+    """Two identical workers: SUM doubles, MAX returns the tensor; starts and waits go into ``log``. ``done``
+    says which started collectives ``poll`` reports complete (all when None)."""
+
+    size, rank, local_size, local_rank, cross_size, cross_rank, equal_nodes = 2, 0, 2, 0, 1, 0, True
+
+    def __init__(self, log, blocking=False, done=None):
+        self.log, self.blocking, self.done = log, blocking, done
+        self.seen = []  # MAX requests (the agreement)
+
+    def start(self, op, tensor, name=None):
+        self.log.append(("start", name))
+        if op is Op.MAX:
+            self.seen.append(tensor.clone())
+        return name, tensor * self.size if op is not Op.MAX else tensor.clone()
+
+    def poll(self, handle):
+        return self.done is None or handle[0] in self.done
+
+    def wait(self, handle):
+        self.log.append(("wait", handle[0]))
+        return handle[1]
+
+    def collective(self, op, tensor):
+        return self.wait(self.start(op, tensor))
+
+
+def _two_rounds(index, log):
+    """Logs its compute, sums twice, returns both results."""
+    log.append(("compute", index))
+    first = yield Op.SUM, torch.full((3,), float(index))
+    log.append(("decode", index))
+    second = yield Op.SUM, first + 1
+    return first, second
+
+
+def _run(log, transport):
+    stats = Statistics()
+    runner = Runner(transport, stats, "t")
+    results = {}
+    for index in range(3):
+        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda r, i=index: results.update({i: r}))
+    runner.progress()
+    runner.finish()
+    return results, stats
+
+
+def test_by_name_every_first_request_is_in_flight_before_any_wait_and_finish_blocks_on_the_lowest():
+    log = []
+    results, stats = _run(log, _LoggingTransport(log, done=set()))  # nothing completes early
+    assert log[:6] == [("compute", 0), ("start", "t.x0.world0.sum"), ("compute", 1), ("start", "t.x1.world0.sum"),
+                       ("compute", 2), ("start", "t.x2.world0.sum")]
+    waits = [name for kind, name in log if kind == "wait"]
+    assert waits == ["t.x0.world0.sum", "t.x0.world1.sum", "t.x1.world0.sum", "t.x1.world1.sum",
+                     "t.x2.world0.sum", "t.x2.world1.sum"]  # the lowest still in flight, to its end
+    for index in range(3):
+        first, second = results[index]
+        assert torch.equal(first, torch.full((3,), 2.0 * index)) and torch.equal(second, 2 * (first + 1))
+    assert stats.steps == 1 and stats.last_step.inter_node_bytes == 6 * 12
+
+
+def test_by_name_progress_advances_what_completed_without_blocking():
+    log = []
+    transport = _LoggingTransport(log, done={"t.x1.world0.sum"})
+    runner = Runner(transport, Statistics(), "t")
+    for index in range(2):
+        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda result: None)
+    runner.progress()
+    assert [entry for entry in log if entry[0] == "wait"] == [("wait", "t.x1.world0.sum")]
+    assert log[-1] == ("start", "t.x1.world1.sum") and runner.in_flight
+
+
+def test_by_call_order_progress_advances_older_exchanges_one_round_and_finish_runs_them_in_order():
+    log = []
+    transport = _LoggingTransport(log, blocking=True)
+    runner = Runner(transport, Statistics(), "t")
+    runner.launch_exchange(0, "x0", _two_rounds(0, log), lambda result: None)
+    runner.progress()  # nothing older than x0
+    runner.launch_exchange(1, "x1", _two_rounds(1, log), lambda result: None)
+    runner.progress()  # x0 one round, queued behind x1's first
+    runner.finish()
+    starts = [name for kind, name in log if kind == "start"]
+    assert starts == ["t.x0.world0.sum", "t.x1.world0.sum", "t.x0.world1.sum", "t.x1.world1.sum"]
+
+
+def _state(codec, **settings):
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))]
+    state = ExchangeState(codec, "test", settings)
+    state.plan = plan_buckets(params, {params[0]: "a", params[1]: "b"}, 25.0)
+    return state, params
+
+
+def test_launch_writes_each_mean_back_in_the_gradients_shape_and_counts_the_bytes():
+    state, params = _state(NoCompression())
+    log = []
+    runner = Runner(_LoggingTransport(log), state.stats, "t", state)
+    got = {}
+    runner.launch(state.plan[0], [None, torch.ones(5)], lambda bucket, means, keep: got.update(means=means))
+    runner.finish()
+    first, second = got["means"]  # the plan holds them in reverse order: b, then a
+    assert torch.equal(first, torch.zeros(3)) and torch.equal(second, torch.ones(5))
+    assert state.step == 1 and state.stats.last_step.uncompressed_bytes == 32
+    assert [name for kind, name in log if kind == "start"] == ["t.agree", "t.bucket0.world0.sum"]
+
+
+def test_agreement_names_every_setting_that_differs():
+    state, _ = _state(NoCompression(), op="average")
+    other, _ = _state(FP16(), op="sum")
+    transport = _LoggingTransport([])
+    other.agree(transport, "x")
+    theirs = transport.seen[-1]
+    mine = []
+
+    class Mixed(_LoggingTransport):  # the maximum of this worker's request and the other worker's
+        def start(self, op, tensor, name=None):
+            mine.append(tensor)
+            return name, torch.maximum(tensor, theirs)
+
+    with pytest.raises(ConfigurationMismatchError, match="what differs: compression, op"):
+        state.agree(Mixed([]), "x")
+    assert not state.agreed
+
+
+def test_a_checkpoint_of_another_codec_is_refused_before_anything_changes():
+    saved, _ = _state(FP16(error_feedback=True))
+    checkpoint = saved.state_dict(world_size=2)
+    target, _ = _state(NoCompression())
+    with pytest.raises(ValueError, match=r"saved with compression FP16\(True,\)"):
+        target.check_state(checkpoint, world_size=2)
+    with pytest.raises(ValueError, match="version"):
+        target.check_state(dict(checkpoint, version=0), world_size=2)
+    again, _ = _state(FP16(error_feedback=True))
+    again.check_state(checkpoint, world_size=2)
+    again.load_state_dict(dict(checkpoint, exchange_step=7), _LoggingTransport([]))
+    assert again.step == 7 and not again.agreed
+
+
+def test_plan_signature_names_tensors_not_positions():
+    state, params = _state(NoCompression())
+    assert signature(state.plan) == ((("b", 3, "torch.float32"), ("a", 5, "torch.float32")),)
