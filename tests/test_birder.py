@@ -16,6 +16,7 @@ from hvdcomp.exchange.hierarchy import shard_length
 from hvdcomp.exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
 from hvdcomp.exchange.protocol import Op, Placement, Transport, relay
 from hvdcomp.exchange.simulator import simulate
+from hvdcomp.exchange.state import ConfigurationMismatchError
 from hvdcomp.integrations.birder import Birder, simulate_step
 
 Z_MAX = 4.5  # bias tolerance in standard errors
@@ -594,13 +595,18 @@ def test_sparse_gradient_is_refused():
         simulate_step(opts, 2)
 
 
-def test_parameter_count_mismatch_fails_on_every_worker():
-    opts = [Birder([torch.nn.Parameter(torch.zeros(n))], lr=0.1) for n in (3, 4)]
+@pytest.mark.parametrize("differ, field", [({"numel": 4}, "parameters"), ({"beta": 0.9}, "groups"),
+                                           ({"exchange": "two_stage"}, "exchange"), ({"seed": 1}, "seed")])
+def test_workers_configured_differently_fail_on_every_worker(differ, field):
+    def build(numel=3, **settings):
+        return Birder([torch.nn.Parameter(torch.zeros(numel))], lr=0.1, **settings)
+
+    opts = [build(), build(**differ)]
     exchanges = [o.step_exchange(Placement(r, 2, 2)) for r, o in enumerate(opts)]
     requests = [next(e) for e in exchanges]
     reduced = torch.stack([t for _, t in requests]).amax(dim=0)
     for e in exchanges:
-        with pytest.raises(RuntimeError, match="different parameter counts"):
+        with pytest.raises(ConfigurationMismatchError, match=f"configured differently .what differs: {field};"):
             e.send(reduced.clone())
 
 

@@ -34,6 +34,8 @@ word-aligned chunks (one whole draw's bits), which Birder keeps in flight togeth
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 
 from ..codec.onebit import (
@@ -106,7 +108,7 @@ def drawn_lane_mean(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lo: int
     return (yield from lane_words_mean(words, hi - lo, world_size, out[lo:]))
 
 
-def drawn_route_mean(route: str, m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, rebinarize: torch.Tensor,
+def drawn_route_mean(route: Route, m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, rebinarize: torch.Tensor,
                      topology: Topology, bits: torch.Tensor, out: torch.Tensor | None = None,
                      grad: torch.Tensor | None = None, runs: MomentRuns = ()) -> Exchange:
     """``route_mean`` of this worker's draw ``codec.onebit.draw_bits(m, b, rng, bits, grad, runs)`` (``bits``: bool,
@@ -204,26 +206,52 @@ def two_stage_one_bit_mean(bits: torch.Tensor, rng: torch.Tensor, group_size: in
     return unpack_bit_rows(gathered.view(group_size, -1), part).reshape(-1)[:numel]
 
 
-def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node: str, exchange: str) -> str:
-    """The exchange of a step: ``"hierarchical:<allgather|sum|two_stage>"`` or ``"world:<sum|two_stage>"``.
-    ``exchange``: ``"lanes"`` (``inter_node`` picks between nodes), ``"two_stage"``, or ``"auto"`` (the fewest
-    bytes per worker of both, ``cost.choose_inter_node``), the same on every worker."""
+class Route(str, Enum):
+    """Birder's exchange of a step: over all workers or hierarchical, and the variant between nodes (a ``str``
+    enum: its value is what ``Birder.route`` reports, e.g. ``"world:sum"``)."""
+
+    WORLD_SUM = "world:sum"
+    WORLD_TWO_STAGE = "world:two_stage"
+    HIERARCHICAL_ALLGATHER = "hierarchical:allgather"
+    HIERARCHICAL_SUM = "hierarchical:sum"
+    HIERARCHICAL_TWO_STAGE = "hierarchical:two_stage"
+
+    @property
+    def hierarchical(self) -> bool:
+        return self in (Route.HIERARCHICAL_ALLGATHER, Route.HIERARCHICAL_SUM, Route.HIERARCHICAL_TWO_STAGE)
+
+    @property
+    def variant(self) -> str:
+        """Between nodes: ``"allgather"``, ``"sum"`` or ``"two_stage"`` (``cost.INTER_NODE_VARIANTS``)."""
+        return _VARIANTS[self]
+
+    @classmethod
+    def of(cls, hierarchical: bool, variant: str) -> Route:
+        return next(route for route in cls if route.hierarchical == hierarchical and route.variant == variant)
+
+
+_VARIANTS = {Route.WORLD_SUM: "sum", Route.WORLD_TWO_STAGE: "two_stage", Route.HIERARCHICAL_ALLGATHER: "allgather",
+             Route.HIERARCHICAL_SUM: "sum", Route.HIERARCHICAL_TWO_STAGE: "two_stage"}
+
+
+def one_bit_route(numel: int, topology: Topology, hierarchical: bool, inter_node: str, exchange: str) -> Route:
+    """The exchange of a step. ``exchange``: ``"lanes"`` (``inter_node`` picks between nodes), ``"two_stage"``, or
+    ``"auto"`` (the fewest bytes per worker of both, ``cost.choose_inter_node``), the same on every worker."""
     if hierarchical:
         lanes = ("allgather", "sum") if inter_node == "auto" else (inter_node,)
         variants = {"lanes": lanes, "two_stage": ("two_stage",), "auto": (*lanes, "two_stage")}[exchange]
-        return "hierarchical:" + choose_inter_node(topology.cross_size, shard_length(numel, topology.local_size),
-                                                   variants)
+        return Route.of(True, choose_inter_node(topology.cross_size, shard_length(numel, topology.local_size),
+                                                variants))
     variants = {"lanes": ("sum",), "two_stage": ("two_stage",), "auto": ("sum", "two_stage")}[exchange]
-    return "world:" + choose_inter_node(topology.size, numel, variants)
+    return Route.of(False, choose_inter_node(topology.size, numel, variants))
 
 
-def route_mean(route: str, bits: torch.Tensor, rng: torch.Tensor, topology: Topology,
+def route_mean(route: Route, bits: torch.Tensor, rng: torch.Tensor, topology: Topology,
                out: torch.Tensor | None = None) -> Exchange:
-    """Float32 ``u_bar`` of the workers' bits by the exchange ``route`` names (``one_bit_route``), re-binarizing
-    from the stream ``rng``, written into ``out`` if given (1-D float32 of ``bits.numel()`` elements and
-    ``bit_padding``)."""
-    scope, variant = route.split(":")
-    if scope == "hierarchical":
+    """Float32 ``u_bar`` of the workers' bits by ``route`` (``one_bit_route``), re-binarizing from the stream
+    ``rng``, written into ``out`` if given (1-D float32 of ``bits.numel()`` elements and ``bit_padding``)."""
+    variant = route.variant
+    if route.hierarchical:
         return (yield from hierarchical_one_bit_mean(bits, rng, topology.local_size, topology.local_rank,
                                                      topology.cross_size, variant, out))
     if variant == "two_stage":

@@ -34,7 +34,7 @@ from ..codec.seeding import stable_seed
 from .bucket import BucketCodec
 from .elementwise import NoCompression
 from .plan import Bucket, signature
-from .protocol import Op, Transport
+from .protocol import Exchange, Op, Transport
 from .stats import Statistics
 
 LOG = logging.getLogger("hvdcomp")  # without logging configured, warnings still reach stderr
@@ -93,34 +93,21 @@ class ExchangeState:
     def agree(self, transport: Transport, name: str) -> None:
         """The agreement of the module docstring (a blocking collective named ``name``; every worker calls it
         at the same point)."""
-        described = self._described(self.plan)
-        fields = sorted(described)
-        tags = [float(stable_seed(field, described[field]) % _TAG_RANGE) for field in fields]
-        step = float(self.step)
-        request = torch.tensor([step, -step, float(self.resync)] + [x for tag in tags for x in (tag, -tag)],
-                               dtype=torch.float64)
-        seen = transport.wait(transport.start(Op.MAX, request, name)).tolist()
-        highest, lowest, resync = seen[0], -seen[1], seen[2]
-        differ = [field for index, field in enumerate(fields) if seen[3 + 2 * index] != -seen[4 + 2 * index]]
-        if differ:
-            here = "; ".join(f"{field} = {_short(described[field])}" for field in differ)
-            raise ConfigurationMismatchError(
-                f"{self.door}: the workers are configured differently (what differs: {', '.join(differ)}; on this "
-                f"worker {here}): build it with the same compression, settings and parameters on every worker")
+        exchange = agreement(self.door, self._described(self.plan), self.step, self.resync)
+        op, request = next(exchange)
+        try:
+            exchange.send(transport.wait(transport.start(op, request, name)))
+        except StopIteration as done:
+            highest, resync = done.value
         if resync:
             self.resync = False
             if highest > 0:
                 self.reset(transport)
-                self.step = int(highest)
+                self.step = highest
                 if transport.rank == 0:
                     LOG.warning("hvdcomp: workers changed (elastic): the codec state (error-feedback memories, "
                                 "agreed scales, PowerSGD's Qs) is reset on all %d workers; the model, the optimizer's "
-                                "state and the exchange step (%d) are kept", transport.size, int(highest))
-        elif highest != lowest:
-            raise ConfigurationMismatchError(
-                f"{self.door}: the workers hold different hvdcomp states (exchange steps {int(lowest)} to "
-                f"{int(highest)}): every worker must load its own state_dict() (or, at another world size, any "
-                "worker's; hvd.broadcast_optimizer_state does not carry hvdcomp's per-worker state), or none")
+                                "state and the exchange step (%d) are kept", transport.size, highest)
         self.agreed = True
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -160,6 +147,31 @@ class ExchangeState:
         warnings.warn(f"hvdcomp: this state was saved by {state['world_size']} workers and is loaded into "
                       f"{transport.size}: the exchange step is kept; the per-worker codec state (error-feedback "
                       "memories, agreed scales, PowerSGD's Qs) starts afresh", RuntimeWarning, stacklevel=3)
+
+
+def agreement(door: str, described: dict[str, Any], step: int, resync: bool) -> Exchange:
+    """The workers' agreement (the module docstring) as an exchange of one ``Op.MAX``: ``described`` maps each
+    setting to a value whose ``repr`` is the same in every process. Returns the highest exchange step and
+    whether some worker re-synchronised (then the steps may differ); raises ``ConfigurationMismatchError``, on
+    every worker alike, naming the settings that differ, or when the steps differ without a re-synchronisation."""
+    fields = sorted(described)
+    tags = [float(stable_seed(field, described[field]) % _TAG_RANGE) for field in fields]
+    request = torch.tensor([float(step), -float(step), float(resync)] + [x for tag in tags for x in (tag, -tag)],
+                           dtype=torch.float64)
+    seen = (yield Op.MAX, request).tolist()
+    highest, lowest, resync_seen = int(seen[0]), int(-seen[1]), seen[2] > 0
+    differ = [field for index, field in enumerate(fields) if seen[3 + 2 * index] != -seen[4 + 2 * index]]
+    if differ:
+        here = "; ".join(f"{field} = {_short(described[field])}" for field in differ)
+        raise ConfigurationMismatchError(
+            f"{door}: the workers are configured differently (what differs: {', '.join(differ)}; on this worker "
+            f"{here}): build it with the same compression, settings and parameters on every worker")
+    if highest != lowest and not resync_seen:
+        raise ConfigurationMismatchError(
+            f"{door}: the workers hold different hvdcomp states (exchange steps {lowest} to {highest}): every "
+            "worker must load its own state_dict() (or, at another world size, any worker's; "
+            "hvd.broadcast_optimizer_state does not carry hvdcomp's per-worker state), or none")
+    return highest, resync_seen
 
 
 def _short(value: Any) -> str:

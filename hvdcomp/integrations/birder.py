@@ -73,10 +73,11 @@ from ..codec.packing import INT64_WORD_BITS, LaneLayout, lane_block_values
 from ..codec.random import stream_words
 from ..codec.validate import check_real
 from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
-from ..exchange.onebit import drawn_lane_mean, drawn_route_mean, one_bit_route, world_chunks
+from ..exchange.onebit import Route, drawn_lane_mean, drawn_route_mean, one_bit_route, world_chunks
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
 from ..exchange.runner import Runner
 from ..exchange.simulator import simulate
+from ..exchange.state import agreement
 from ..exchange.stats import Statistics, Traffic, counted
 from .birder_layout import FlatLayout, layout_key
 from .birder_state import birder_state, load_birder_state, resync_birder
@@ -155,9 +156,11 @@ class Birder(torch.optim.Optimizer):
         self._rank: int | None = None  # of the last step, or of the loaded state
         self._warned_rank = False
         self._step = 0
-        self.route = ""
+        self.route: Route | None = None  # the last step's
         self.stats = Statistics()
         self._runner: Runner | None = None
+        self._agreed = False  # the settings were agreed since construction, a load or a re-synchronisation
+        self._resynced = False  # Horovod elastic re-synchronised: the workers adopt the highest step
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # hvd.DistributedOptimizer builds type(name, (Birder,), dict(_DistributedOptimizer.__dict__)).
@@ -277,6 +280,9 @@ class Birder(torch.optim.Optimizer):
             warnings.warn(f"Birder: rank {topo.rank} runs with rank {self._rank}'s moments; each worker should load "
                           "its own state dict", RuntimeWarning, stacklevel=4)
         self._rank = topo.rank
+        if not self._agreed:  # settings and parameters alike on every worker, or one clear error on each
+            self._step, _ = yield from agreement("Birder", self._described(layout), self._step, self._resynced)
+            self._agreed, self._resynced = True, False
         grad = self._grad
         has_grad = layout.gather_grads(grad)
 
@@ -301,6 +307,13 @@ class Birder(torch.optim.Optimizer):
         traffic.uncompressed_bytes += 4 * numel
         return _Update(layout, topo, hierarchical, (flags[4:] > 0).tolist())
 
+    def _described(self, layout: FlatLayout) -> dict[str, Any]:
+        """What every worker must configure alike (``hvdcomp.exchange.state.agreement``)."""
+        groups = tuple((g["lr"], g["beta"], g["weight_decay"], len(g["params"])) for g in self.param_groups)
+        return {"hierarchical": self.hierarchical, "inter_node": self.inter_node, "exchange": self.exchange,
+                "seed": self.seed, "groups": groups,
+                "parameters": tuple((p.numel(), str(p.dtype)) for p in layout.params)}
+
     def _update_exchanges(self, update: _Update) -> list[Exchange]:
         """Moments, the 1-bit draw, its exchange, and the update of the ``updated`` parameters (the others
         keep their moments; their bits travel, as the exchange covers the whole flat buffer): one exchange per
@@ -316,7 +329,7 @@ class Birder(torch.optim.Optimizer):
             nonlocal applied
             applied = self._apply(layout, mean, updated, applied, end)
 
-        if self.route == "world:sum" and topo.size > 1:  # per chunk: moments and draw into summable lanes; update
+        if self.route is Route.WORLD_SUM and topo.size > 1:  # per chunk: moments and draw into summable lanes; update
             return [_then(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad, runs), apply_through, hi)
                     for lo, hi in world_chunks(numel, topo.size)]
         rebinarize = self._stream("rebinarize", topo.rank, layout.device)

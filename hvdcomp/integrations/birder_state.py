@@ -54,6 +54,7 @@ def load_birder_state(optimizer: Any, state_dict: dict[str, Any],
     if birder["numel"] != layout.numel:
         raise ValueError(f"Birder.load_state_dict: {birder['numel']} elements saved, {layout.numel} here")
     load_torch_state(state_dict)
+    optimizer._agreed = False
     optimizer._step = int(birder["step"])
     optimizer.seed = birder.get("seed", optimizer.seed)  # older states: the streams' seed is the constructor's
     optimizer._m.copy_(birder["m"])
@@ -81,9 +82,8 @@ def resync_birder(optimizer: Any) -> None:
     if not called_by_elastic_sync():
         return
     transport = optimizer.transport
-    forget = getattr(transport, "forget_topology", None)  # Horovod was initialised again
-    if forget is not None:
-        forget()
+    transport.forget_topology()  # Horovod was initialised again
+    optimizer._agreed, optimizer._resynced = False, True
     layout = optimizer._ensure_buffers()
     moved = optimizer._rank is not None and optimizer._rank != transport.rank
     optimizer._rank = transport.rank
