@@ -1,27 +1,10 @@
-"""Regression tests for the "robust" issue (10) and the overlapping "horovod-suite" items (16.1, 16.3, 16.4).
+"""Horovod parity and robustness of every Horovod door, with real Horovod workers (``tests/harness.py``).
 
-Every test launches real Horovod workers through ``tests/harness.py`` and asserts the behaviour the
-issue asks for (no hang, no silent divergence, Horovod parity). Only the public API is used:
-``import hvdcomp`` (``DistributedOptimizer``, ``Birder``, the compressors, ``MPITransport``,
-``CarrierMismatchError``) and ``horovod.torch``. Each launch has its own timeout, so a hang shows as
-a failure instead of a stuck suite.
-
-Map (issue 10 item -> test):
- 1 ``test_01_param_used_on_one_rank_only*``     7 ``test_07_fp16_over_mpi_transport``
- 2 ``test_02_stock_optimizer_*``                8 ``test_08_randk_k_is_per_tensor_*``
- 3 ``test_03_frozen_parameters_are_accepted``   9 ``test_09_birder_uneven_nodes_fails_on_every_rank``
- 4 ``test_04_step_after_synchronize_*``        10 ``test_10_birder_skips_weight_decay_without_gradient``
- 5 ``test_05_two_optimizers_one_backward``     11 ``test_11_*``
- 6 ``test_06_fp16_error_feedback_*``           12 ``test_12_*``
- also: ``test_one_rank_raises_mid_step``, ``test_broadcast_state_and_parameters_keep_weights``;
- issue 16: ``test_16_1_broadcast_state_from_rank0_checkpoint``, ``test_04_...`` (16.3),
- ``test_16_4_parameter_names_like_horovod``, ``test_11_sparse_as_dense_is_accepted`` (16.5),
- ``test_11_rank_outside_process_set_is_a_noop`` (16.6), ``test_02_*`` and
- ``test_16_7_stock_optimizer_rank_dependent_parameters`` (16.7),
- ``test_16_8_stock_optimizer_sparse_gradients_pass_through_decompress``;
- review follow-ups: ``test_hvdcomp_state_loaded_on_some_ranks_only_fails_on_every_rank``,
- ``test_names_agree_after_an_optimizer_over_a_smaller_process_set``,
- ``test_sparse_gradients_with_accumulation``, ``test_one_compression_object_serves_one_optimizer``.
+Grouped by behaviour: parameters used on some ranks only, frozen, sparse or grouped; the stock optimizer's
+pairing of gradients by name; several optimizers in one backward; ``step()`` after ``synchronize()``;
+``broadcast_optimizer_state`` and checkpoints; process sets; ``close()``; failures on one rank; Birder on
+uneven nodes and without gradients. Only the public API is used (``import hvdcomp`` and ``horovod.torch``).
+Each launch has its own timeout, so a hang shows as a failure instead of a stuck suite.
 """
 
 import inspect
@@ -203,21 +186,21 @@ def _check_branch_results(results, codec):
         assert max(r["errors"]) <= _TOLERANCE[codec], (rank, r["errors"])
 
 
-def test_01_param_used_on_one_rank_only():
+def test_param_used_on_one_rank_only():
     codecs = ["qsgd8", "multiscale", "powersgd"]
     results = run_function(_per_codec, np=2, kwargs={"worker": _branch_worker, "codecs": codecs}, timeout=TIMEOUT)
     for codec in codecs:
         _check_branch_results([r[codec] for r in results], codec)
 
 
-def test_01_param_used_on_one_rank_only_hierarchical():
+def test_param_used_on_one_rank_only_hierarchical():
     results = run_function(_branch_worker, np=4, hosts=EMULATED_NODES, init_kwargs=DYNAMIC,
                            kwargs={"codec": "qsgd8", "hierarchical": True}, timeout=TIMEOUT)
     _check_branch_results(results, "qsgd8")
 
 
 @pytest.mark.mpi
-def test_01_param_used_on_one_rank_only_mpi():
+def test_param_used_on_one_rank_only_mpi():
     pytest.importorskip("mpi4py")
     results = run_function(_branch_worker, np=2, launcher="mpi", kwargs={"codec": "qsgd8", "mpi": True},
                            timeout=TIMEOUT)
@@ -259,7 +242,7 @@ def _stock_heads_worker(codec, trials=6, steps=4):
     return trials_out
 
 
-def test_02_stock_optimizer_pairs_unused_heads_by_name():
+def test_stock_optimizer_pairs_unused_heads_by_name():
     """QSGD in the stock optimizer, two alternately used heads, unused parameters compressed in a different
     order on each rank: no CarrierMismatchError, replicas agree."""
     results = run_function(_stock_heads_worker, np=2, kwargs={"codec": "qsgd8_ahead"}, timeout=TIMEOUT)
@@ -298,7 +281,7 @@ def _stock_error_feedback_worker(steps=4):
             "tolerance": 1e-3 * lr * peak}
 
 
-def test_02_stock_optimizer_error_feedback_follows_the_tensor():
+def test_stock_optimizer_error_feedback_follows_the_tensor():
     """With memories keyed by position, h2's residual goes to whichever tensor takes its position (h1) and
     h2 never gets the rest of its gradient: silent corruption, no error."""
     results = run_function(_stock_error_feedback_worker, np=2, timeout=TIMEOUT)
@@ -340,7 +323,7 @@ def _stock_rank_dependent_heads_worker(codec, steps=4):
     return out
 
 
-def test_16_7_stock_optimizer_rank_dependent_parameters():
+def test_stock_optimizer_rank_dependent_parameters():
     """Issue 16 item 7: ranks whose losses use different parameters, stock optimizer, hvdcomp compressor: no
     CarrierMismatchError or hang, replicas identical after several steps, and close to Horovod uncompressed
     (QSGD 8 bits with this step's scale; with the scale agreed a step ahead, what exceeds it follows a step
@@ -383,7 +366,7 @@ def _frozen_worker(variant):
     return out
 
 
-def test_03_frozen_parameters_are_accepted():
+def test_frozen_parameters_are_accepted():
     variants = ["frozen_in_optimizer", "trainable_only"]
     per_variant = run_function(_per_codec, np=2, kwargs={"worker": _frozen_worker, "codecs": variants},
                                timeout=TIMEOUT)
@@ -441,7 +424,7 @@ def _same_params(results, key):
     return all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][key], r[key]))
 
 
-def test_04_step_after_synchronize_warns_and_resynchronizes():
+def test_step_after_synchronize_warns_and_resynchronizes():
     per_codec = run_function(_per_codec, np=2, kwargs={"worker": _step_after_synchronize_worker,
                                                        "codecs": ["none", "qsgd8"]}, timeout=TIMEOUT)
     for codec in ("none", "qsgd8"):
@@ -513,7 +496,7 @@ def _check_against_horovod(worker):
                     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_05_two_optimizers_one_backward():
+def test_two_optimizers_one_backward():
     _check_against_horovod(_two_optimizers_worker)
 
 
@@ -556,7 +539,7 @@ def _fp16_overflow_worker():
     return out
 
 
-def test_06_fp16_error_feedback_skips_nonfinite_steps():
+def test_fp16_error_feedback_skips_nonfinite_steps():
     results = run_function(_fp16_overflow_worker, np=2, timeout=TIMEOUT)
     _assert_replicas_identical(results, "overflow")
     for r in results:
@@ -589,7 +572,7 @@ def _fp16_mpi_worker(codec):
 
 
 @pytest.mark.mpi
-def test_07_fp16_over_mpi_transport():
+def test_fp16_over_mpi_transport():
     pytest.importorskip("mpi4py")
     codecs = ["fp16", "fp16_ef", "horovod_fp16"]
     per_codec = run_function(_per_codec, np=2, launcher="mpi", kwargs={"worker": _fp16_mpi_worker, "codecs": codecs},
@@ -642,7 +625,7 @@ def _randk_counts_worker(configs):
     return out
 
 
-def test_08_randk_k_is_per_tensor_flat():
+def test_randk_k_is_per_tensor_flat():
     configs = ["stock", "flat_one", "flat_tiny"]
     results = run_function(_randk_counts_worker, np=2, kwargs={"configs": configs}, timeout=TIMEOUT)
     for r in results:
@@ -650,7 +633,7 @@ def test_08_randk_k_is_per_tensor_flat():
             assert r[config] == {name: K for name in RANDK_SHAPES}, (config, r[config])
 
 
-def test_08_randk_k_is_per_tensor_hierarchical():
+def test_randk_k_is_per_tensor_hierarchical():
     configs = ["stock", "hierarchical_one", "hierarchical_tiny"]
     results = run_function(_randk_counts_worker, np=4, hosts=EMULATED_NODES, init_kwargs=DYNAMIC,
                            kwargs={"configs": configs}, timeout=TIMEOUT)
@@ -678,7 +661,7 @@ def _birder_uneven_worker():
     return "stepped"
 
 
-def test_09_birder_uneven_nodes_fails_on_every_rank():
+def test_birder_uneven_nodes_fails_on_every_rank():
     results = run_function(_birder_uneven_worker, np=3, hosts=UNEVEN_NODES, init_kwargs=DYNAMIC, timeout=TIMEOUT)
     for rank, message in enumerate(results):
         assert message != "stepped", (rank, results)
@@ -718,7 +701,7 @@ def _birder_decay_worker():
     return out
 
 
-def test_10_birder_skips_weight_decay_without_gradient():
+def test_birder_skips_weight_decay_without_gradient():
     results = run_function(_birder_decay_worker, np=2, timeout=TIMEOUT)
     _assert_replicas_identical(results, "birder.params")
     for r in results:
@@ -752,7 +735,7 @@ def _positional_worker():
     return out
 
 
-def test_11_positional_order_matches_horovod():
+def test_positional_order_matches_horovod():
     results = run_function(_positional_worker, np=2, timeout=TIMEOUT)
     assert results[0]["signature"][:len(HOROVOD_ORDER)] == HOROVOD_ORDER, results[0]["signature"]
     for r in results:
@@ -784,7 +767,7 @@ def _groups_worker():
     return out
 
 
-def test_11_groups_and_num_groups_are_accepted():
+def test_groups_and_num_groups_are_accepted():
     results = run_function(_groups_worker, np=2, timeout=TIMEOUT)
     for r in results:
         for option in ("groups_int", "groups_list", "num_groups"):
@@ -814,7 +797,7 @@ def _sparse_worker():
     return out
 
 
-def test_11_sparse_as_dense_is_accepted():
+def test_sparse_as_dense_is_accepted():
     results = run_function(_sparse_worker, np=2, timeout=TIMEOUT)
     _assert_replicas_identical(results, (True, "ours"))
     _assert_replicas_identical(results, (False, "ours"))
@@ -847,7 +830,7 @@ def _stock_sparse_worker():
     return out
 
 
-def test_16_8_stock_optimizer_sparse_gradients_pass_through_decompress():
+def test_stock_optimizer_sparse_gradients_pass_through_decompress():
     results = run_function(_stock_sparse_worker, np=2, timeout=TIMEOUT)
     _assert_replicas_identical(results, "ours")
     for r in results:  # the embedding is reduced exactly by Horovod; the linear layer through QSGD 8 bits
@@ -873,7 +856,7 @@ def _outside_process_set_worker():
     return out
 
 
-def test_11_rank_outside_process_set_is_a_noop():
+def test_rank_outside_process_set_is_a_noop():
     results = run_function(_outside_process_set_worker, np=2, init_kwargs=DYNAMIC, timeout=TIMEOUT)
     for r in results:
         for ours, ref, local in zip(r["ours"], r["horovod"], r["local"]):
@@ -923,7 +906,7 @@ def _detach_worker(codec):
     return {"ours": _params(model), "horovod": _params(reference)}
 
 
-def test_12_close_and_context_manager_detach_hooks():
+def test_close_and_context_manager_detach_hooks():
     _check_against_horovod(_detach_worker)
 
 
@@ -1066,7 +1049,7 @@ def _checkpoint_broadcast_worker():
     return out
 
 
-def test_16_1_broadcast_state_from_rank0_checkpoint():
+def test_broadcast_state_from_rank0_checkpoint():
     results = run_function(_checkpoint_broadcast_worker, np=2, timeout=TIMEOUT)
     for name in ("sgd", "adam"):
         assert results[0][f"{name}.state"], name
@@ -1099,7 +1082,7 @@ def _parameter_names_worker():
     return out
 
 
-def test_16_4_parameter_names_like_horovod():
+def test_parameter_names_like_horovod():
     results = run_function(_parameter_names_worker, np=2, timeout=TIMEOUT)
     for r in results:
         for named in (True, False):

@@ -55,9 +55,7 @@ def check_hierarchical(transport: Any) -> None:
         raise ValueError("hierarchical=True needs the same number of workers on every node, the nodes covering "
                          "all workers of the exchange (the global process set); pass hierarchical=False"
                          f"{_SETTING_HINT if horovod_hierarchical() else ''}")
-    check = getattr(transport, "check_hierarchy", None)  # HorovodTransport's
-    if check is not None:
-        check()
+    transport.check_hierarchy()
 
 
 _SETTING_HINT = f" ({HIERARCHICAL_SETTING} is set: hierarchical=None follows it)"

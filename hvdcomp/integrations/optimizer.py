@@ -2,23 +2,24 @@
 
 A drop-in for ``hvd.DistributedOptimizer``: the same arguments in the same order (``groups`` and
 ``num_groups`` choose the buckets; ``sparse_as_dense`` as in Horovod), ``synchronize()``,
-``skip_synchronize()``, ``_parameter_names``, the same warnings and errors. Gradients are grouped into
-buckets (``buckets``). When every gradient of a bucket has been accumulated
-``backward_passes_per_step`` times, the bucket's exchange starts asynchronously; its later rounds are
-started as earlier ones complete, from later gradient hooks, and ``synchronize()`` / ``step()`` finish
-the rest: a bucket whose gradients never came on this rank (a parameter unused in this step) is
-exchanged with zeros, as Horovod does. Over Horovod (collectives matched by name) ``synchronize()``
-advances whichever bucket's collective has completed, so bucket k+1 encodes while bucket k is on the
-wire, and blocks only on the lowest bucket still in flight (which every rank reaches: no deadlock). Over
-a blocking transport (``MPITransport``, torch.distributed) nothing starts in the hooks and buckets finish
-one by one in bucket order, so every rank runs its collectives in that one order.
-Max-norm compressors exchange one small MAX vector (per-tensor scales) per bucket and move their packed
-levels as one int64 SUM; results are decoded to the mean (``op=hvd.Average``) or the sum (``op=hvd.Sum``).
+``skip_synchronize()``, ``_parameter_names``, the same warnings and errors. This module is the door: it says
+when a bucket is ready (every gradient of it accumulated ``backward_passes_per_step`` times) and where its
+means go (``p.grad``); ``hvdcomp.exchange.runner.Runner`` schedules, names, meters and agrees, and
+``hvdcomp.exchange.state.ExchangeState`` holds the codec, the exchange step and the checkpoints.
+
+Buckets (``hvdcomp.exchange.plan``) follow the model's parameter order (``named_parameters``). Over Horovod
+(collectives matched by name) a bucket's exchange starts from the gradient hook that completes it, and later
+rounds advance from later hooks as collectives complete; ``synchronize()`` / ``step()`` finish the rest (a
+bucket whose gradients never came on this rank, a parameter unused in this step, is exchanged with zeros, as
+Horovod does). Over a transport that pairs collectives by call order (``MPITransport``, torch.distributed)
+every bucket starts in ``synchronize()``, in bucket order, the same on every rank whatever its backward did.
+Results are decoded to the mean (``op=hvd.Average``) or the sum (``op=hvd.Sum``); float64 gradients stay
+float64 with ``NoCompression``.
 
 With ``hierarchical=True`` the bucket is summed at full precision inside each node and only the
 compressed shards cross nodes (see ``hvdcomp.exchange.hierarchy``); ``hierarchical=None`` follows
 Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE`` (``launch``). ``transport`` may be an ``MPITransport``
-(mpi4py) instead of Horovod. ``warmup_steps``: the first steps exchange exact float32 means (``warmup``).
+(mpi4py) instead of Horovod. ``warmup_steps``: the first steps exchange exact means.
 
 Collective names carry a prefix from the optimizer's parameter names and its ordinal among optimizers
 over the same names in this process, so several optimizers (a backbone's and a head's) can exchange
@@ -26,8 +27,8 @@ in one step. ``close()`` (or leaving a ``with`` block, or dropping the optimizer
 hooks. On a rank outside ``process_set`` the optimizer is the wrapped one, as in Horovod.
 
 ``optimizer.stats`` (``hvdcomp.exchange.stats.Statistics``) holds bytes and seconds per step and in
-total. ``state_dict()`` carries the codec's state; loading it at another world size, or Horovod elastic
-re-synchronising after a membership change, resets the codec state only (``resume``).
+total. ``state_dict()`` carries the exchange state; loading it at another world size, or Horovod elastic
+re-synchronising after a membership change, resets the codec state only.
 """
 
 from __future__ import annotations
@@ -223,9 +224,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish every bucket's exchange; gradients then hold the mean (or sum) over the workers.
 
-        A bucket not yet started here (gradients missing on this rank count as zeros) starts first. Over
-        a transport that matches collectives by name, buckets advance as their collectives complete (the
-        module docstring); otherwise each finishes in bucket order, the same on every rank."""
+        A bucket not yet started here (gradients missing on this rank count as zeros) starts first, in bucket
+        order; then the runner finishes every exchange (``hvdcomp.exchange.runner``)."""
         if not self._included:
             self._synchronized = True
             return
