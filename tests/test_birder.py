@@ -14,10 +14,11 @@ from hvdcomp.codec.random import stream_words
 from hvdcomp.exchange.cost import choose_inter_node
 from hvdcomp.exchange.hierarchy import shard_length
 from hvdcomp.exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
-from hvdcomp.exchange.protocol import Op, Placement, Transport, relay
+from hvdcomp.exchange.protocol import Op, Placement, relay
 from hvdcomp.exchange.simulator import simulate
 from hvdcomp.exchange.state import ConfigurationMismatchError
 from hvdcomp.integrations.birder import Birder, simulate_step
+from tests.fakes import EchoTransport
 
 Z_MAX = 4.5  # bias tolerance in standard errors
 
@@ -512,29 +513,11 @@ def test_param_groups_and_schedulers():
         opts[0].add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
 
 
-class _Alone(Transport):
-    """A transport for one worker."""
-
-    rank, size, local_size, local_rank, cross_size, cross_rank, equal_nodes, blocking = 0, 1, 1, 0, 1, 0, True, True
-
-    def collective(self, op, tensor):
-        return tensor.clone()
-
-    def start(self, op, tensor, name=None):
-        return self.collective(op, tensor)
-
-    def poll(self, handle):
-        return True
-
-    def wait(self, handle):
-        return handle
-
-
 def test_step_with_closure_and_warmup_scheduler():
     model = torch.nn.Linear(4, 1)
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     y = x.sum(dim=1, keepdim=True)
-    optimizer = Birder(model.parameters(), lr=0.1, transport=_Alone())
+    optimizer = Birder(model.parameters(), lr=0.1, transport=EchoTransport(size=1))
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
     start = [p.detach().clone() for p in model.parameters()]
 

@@ -30,6 +30,7 @@ from hvdcomp.exchange import (
 )
 from hvdcomp.exchange.protocol import single
 from hvdcomp.exchange.stats import counted
+from tests.fakes import EchoTransport
 
 PACKAGE = Path(hvdcomp.__file__).parent
 LAYERS = ("codec", "exchange", "transport", "integrations")  # bottom to top
@@ -123,31 +124,8 @@ def test_typed_ops():
             op.across_nodes()
 
 
-class _EchoTransport(Transport):
-    """Every worker sent what this one sends: SUM multiplies by the size, MAX returns it."""
-
-    size, rank, local_size, local_rank, cross_size, cross_rank = 3, 0, 3, 0, 1, 0
-    equal_nodes = blocking = True
-
-    def __init__(self):
-        self.ops = []
-
-    def collective(self, op, tensor):
-        self.ops.append(op)
-        return tensor.clone() if op.reduction is Reduction.MAX else tensor * self.size
-
-    def start(self, op, tensor, name=None):
-        return self.collective(op, tensor)
-
-    def poll(self, handle):
-        return True
-
-    def wait(self, handle):
-        return handle
-
-
 def test_drive_runs_to_the_end_or_stops_at_an_op():
-    transport = _EchoTransport()
+    transport = EchoTransport()
     assert isinstance(transport, Transport)
     codec = MaxNormCodec(hvdcomp.MaxNormQuantizer((8,)))
     codec.bind_rank(0)
@@ -168,7 +146,7 @@ def test_drive_together_batches_each_round_into_one_collective():
     codecs = [MaxNormCodec(hvdcomp.MaxNormQuantizer((3, 8))) for _ in range(2)]  # multi-scale: MAX, SUM, PAYLOAD
     for codec in codecs:
         codec.bind_rank(0)
-    together, alone = _EchoTransport(), _EchoTransport()
+    together, alone = EchoTransport(), EchoTransport()
     batched = [codecs[0].exchange(x.reshape(-1), [x.numel()], i, 0, 3) for i, x in enumerate(xs)]
     words = drive_together(batched, together, until=Op.PAYLOAD)
     assert together.ops == [Op.MAX, Op.SUM]  # one collective per round for all four exchanges
@@ -188,7 +166,7 @@ def test_drive_together_batches_each_round_into_one_collective():
 
 
 def test_drive_together_refuses_what_it_cannot_batch():
-    transport = _EchoTransport()
+    transport = EchoTransport()
     one = torch.ones(2)
     with pytest.raises(RuntimeError, match="different ops"):
         drive_together([single(Op.MAX, one), single(Op.SUM, one)], transport, until=Op.PAYLOAD)

@@ -42,18 +42,19 @@ left alone, as AdamW does: no update, no weight decay, ``m`` and ``b`` kept. The
 counts it as zero. A zero gradient tensor is a gradient: weight decay applies.
 
 **Non-finite gradients**: if any worker's gradient holds NaN/Inf, every worker skips the step (no
-state changes, no random draws), warns, and counts it in ``stats.skipped_steps``.
+state changes, no random draws), warns, and counts it in ``stats.skipped_steps``. **Agreement**: the first
+step after construction or a load compares the settings and parameters of every worker
+(``hvdcomp.exchange.state.agreement``): a difference raises on every worker.
 
-**Randomness** is counter-based (``hvdcomp.codec.random``): the draw of ``u`` and the exchange's
-re-binarizations take uniforms from two streams keyed by ``(seed, "birder", rank, purpose)`` and counted by
-(step, element), so the draw and the lane packing run as one fused pass, the same bits come out on CPU and
-GPU, and only the step count and the seed need saving. The global RNGs are never touched.
+**Randomness** is counter-based (``hvdcomp.codec.random``): the draw of ``u`` and the re-binarizations take
+uniforms from two streams keyed by ``(seed, "birder", rank, purpose)`` and counted by (step, element), so only
+the step count and the seed need saving, and CPU and GPU draw the same bits. The global RNGs are never touched.
 
-**Statistics**: ``stats`` is ``hvdcomp.exchange.stats.Statistics``, as for ``DistributedOptimizer``;
-the flags (``8 (4 + P)`` bytes) and activity masks count as ``control_bytes``. Per worker and step,
-for ``n`` elements, ``c = ceil(n / L)`` and ``lanes(k) = floor(63 / bit_length(k))``: hierarchical,
-inter-node ``ceil(c / 8)`` bytes (all-gather) or ``8 ceil(c / lanes(N))`` (sum); intra-node
-``8 ceil(n / lanes(L)) + 8 ceil(c / lanes(N))``; over all workers ``8 ceil(n / lanes(W))`` inter-node.
+**Statistics**: ``stats`` is ``hvdcomp.exchange.stats.Statistics``; the flags (``8 (4 + P)`` bytes) and
+activity masks count as ``control_bytes``. Per worker and step, for ``n`` elements, ``c = ceil(n / L)`` and
+``lanes(k) = floor(63 / bit_length(k))``: hierarchical, inter-node ``ceil(c / 8)`` bytes (all-gather) or
+``8 ceil(c / lanes(N))`` (sum); intra-node ``8 ceil(n / lanes(L)) + 8 ceil(c / lanes(N))``; over all workers
+``8 ceil(n / lanes(W))`` inter-node.
 
 ``state_dict()`` holds ``m``, ``b``, the active mask, the step count and the seed: each worker must save
 and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
@@ -229,16 +230,15 @@ class Birder(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         transport = self.transport
-        if self._runner is None or self._runner.transport is not transport:
-            self._runner = Runner(transport, self.stats, "hvdcomp.birder")
+        self._runner = self._runner or Runner(transport, self.stats, "hvdcomp.birder")
         self._runner.begin_step()
         update = drive(self._prepare(transport, self.stats.last_step), transport)
         if update is None:
             self._runner.drop()
             self.stats.end_step(skipped=True)
             return loss
-        for index, exchange in enumerate(self._update_exchanges(update)):
-            self._runner.launch_exchange(index, f"chunk{index}", exchange, _ignore)
+        for index, exchange in enumerate(self._update_exchanges(update)):  # each writes into Birder's buffers
+            self._runner.launch_exchange(index, f"chunk{index}", exchange, lambda result: None)
         self._runner.finish()
         self._step += 1
         return loss
@@ -386,10 +386,6 @@ def _then(exchange: Exchange, after: Callable[[int], None], end: int) -> Exchang
     value = yield from exchange
     after(end)
     return value
-
-
-def _ignore(result: Any) -> None:
-    """Where a chunk's result goes: nowhere (each chunk writes its mean into Birder's buffer itself)."""
 
 
 def simulate_step(optimizers: Sequence[Birder], local_size: int | None = None) -> list[object]:
