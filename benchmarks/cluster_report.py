@@ -25,7 +25,8 @@ def summarize(base: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, An
     step_s = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
     record = {**base, "status": "ok", "detail": "", "elements": ranks[0]["elements"], "step_s": step_s,
               "median_s": statistics.median(step_s), "min_s": min(step_s),
-              "bits_per_element": ranks[0]["payload_bits"], **{name: None for name in SECONDS}}
+              "bits_per_element": ranks[0]["payload_bits"], **{name: None for name in SECONDS},
+              "codec_ns_per_element": None}
     traffic = [rank["traffic"] for rank in ranks]
     if all(step is not None for steps in traffic for step in steps):
         per_step = [[rank_steps[i] for rank_steps in traffic] for i in range(len(step_s))]
@@ -35,13 +36,22 @@ def summarize(base: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, An
 
         record["bits_per_element"] = 8 * median_of_means("inter_node_bytes") / record["elements"]
         record.update({name: median_of_means(name) for name in SECONDS})
+        record["codec_ns_per_element"] = codec_ns_per_element(record)
     return record
+
+
+def codec_ns_per_element(record: dict[str, Any]) -> float | None:
+    """The codec's cost in situ: (compress + decompress seconds) per element, in ns (None without statistics),
+    to set beside ``benchmarks/codec_costs.py``'s kernel times."""
+    if record["compress_s"] is None or not record["elements"]:
+        return None
+    return 1e9 * (record["compress_s"] + record["decompress_s"]) / record["elements"]
 
 
 def failed(base: dict[str, Any], status: str, detail: str) -> dict[str, Any]:
     """A record for a scheme that hung (``status="hang"``) or failed (``"error"``); no timings."""
     return {**base, "status": status, "detail": detail, "median_s": None, "min_s": None, "step_s": [],
-            "bits_per_element": None, **{name: None for name in SECONDS}}
+            "bits_per_element": None, **{name: None for name in SECONDS}, "codec_ns_per_element": None}
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -54,16 +64,16 @@ def table(records: list[dict[str, Any]]) -> str:
     status and the start of its detail."""
     medians = {r["scheme"]: r["median_s"] for r in records if r["status"] == "ok"}
     lines = ["| scheme | bits/element between nodes | median s | min s | compress s | communicate s | decompress s"
-             + "".join(f" | vs {b}" for b in BASELINES) + " |",
-             "|---" * (7 + len(BASELINES)) + "|"]
+             " | codec ns/element" + "".join(f" | vs {b}" for b in BASELINES) + " |",
+             "|---" * (8 + len(BASELINES)) + "|"]
     for r in records:
         if r["status"] != "ok":
             detail = r["detail"] if len(r["detail"]) <= DETAIL_CHARS else r["detail"][:DETAIL_CHARS] + "…"
-            lines.append(f"| {r['scheme']} | – | {r['status']}: {detail} |" + " – |" * (4 + len(BASELINES)))
+            lines.append(f"| {r['scheme']} | – | {r['status']}: {detail} |" + " – |" * (5 + len(BASELINES)))
             continue
         speedups = [f"×{medians[b] / r['median_s']:.2f}" if b in medians else "–" for b in BASELINES]
         cells = [r["scheme"], _number(r["bits_per_element"], 2), _number(r["median_s"], 3), _number(r["min_s"], 3),
-                 *(_number(r[name], 3) for name in SECONDS), *speedups]
+                 *(_number(r[name], 3) for name in SECONDS), _number(r["codec_ns_per_element"], 2), *speedups]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

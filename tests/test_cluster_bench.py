@@ -110,7 +110,8 @@ def test_records_and_table():
     lines = cluster_report.table([fp32, record, hang]).splitlines()
     assert lines[0].startswith("| scheme | bits/element between nodes | median s | min s |")
     assert len({line.count("|") for line in lines}) == 1  # every row has every column
-    assert lines[3] == "| hvdcomp:qsgd4 | 4.00 | 3.000 | 2.500 | 2.000 | 0.500 | 0.100 | ×2.00 | – |"
+    assert lines[3] == "| hvdcomp:qsgd4 | 4.00 | 3.000 | 2.500 | 2.000 | 0.500 | 0.100 | 10500000.00 | ×2.00 | – |"
+    assert record["codec_ns_per_element"] == pytest.approx(1e9 * 2.1 / 200)  # (compress + decompress) / element
     assert "hang: no progress for 9 s" in lines[4]
 
 

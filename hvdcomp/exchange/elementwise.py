@@ -78,10 +78,8 @@ class FP16(ElementwiseCodec):
     of ``ResultBuffers``, handed out again only once nothing refers to it.
     """
 
-    # Buckets of 8 MiB: the first bucket's rounding and the last one's mean, outside the wire's time, are
-    # smaller. Through HorovodTransport's windows (2 nodes at 1 Gbit/s, ResNet-50, runs alternating): 0.478 and
-    # 0.476 s against 0.506 and 0.531 s with 25 MiB, 0.577 s with 4 MiB (more windows' collectives). Through
-    # Horovod's own float16 sum, 2 to 25 MiB were within the noise (x1.81 to x1.87, one run each).
+    # Small buckets keep the first bucket's rounding and the last one's mean short, outside the wire's time
+    # (docs/benchmarks.md).
     bucket_mb = 8.0
 
     def __init__(self, error_feedback: bool = False) -> None:

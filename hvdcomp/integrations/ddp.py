@@ -12,26 +12,22 @@ rebuild nor resume exactly. So the state plans its own *codec buckets* from the 
 (reverse model order, split by dtype and device, DDP's ``bucket_cap_mb`` each unless ``bucket_size_mb``
 says otherwise: ``hvdcomp.DistributedOptimizer``'s rule), and DDP's buckets only deliver gradients to them:
 
-1. each DDP bucket's hook copies its gradients into the codec buckets (``bucket.parameters()`` /
-   ``bucket.gradients()``) and remembers where the means must go;
+1. each DDP bucket's hook records its gradients (``bucket.parameters()`` / ``bucket.gradients()``), which
+   are also where the means must go;
 2. codec buckets start their exchange in plan order once all their gradients are in (never before a
    bucket planned earlier), so codec state and random draws follow the plan, not DDP's layout;
-3. each hook then advances the exchanges that earlier hooks started by one round (hierarchical ones to their
-   end), so that its own buckets' collectives are queued behind theirs while it waits: the link stays busy
-   while it copies, encodes and decodes;
+3. the one runner (``hvdcomp.exchange.runner``, ordering by call order) then advances the exchanges that
+   earlier hooks started by one round, queued behind the new ones: the link stays busy while the hook
+   copies, encodes and decodes;
 4. the last bucket's hook (``bucket.is_last()``: DDP runs hooks in bucket order) finishes every
    exchange, writes the means into DDP's bucket buffers and completes the step's futures.
 
 The first synchronizing step of a process learns the parameters from DDP's buckets (every parameter
 DDP reduces is in one of them each step), so its exchanges all start in its last hook; DDP sends that
 step as one bucket anyway. Results therefore do not depend on DDP's bucketing: the first step, the
-rebuilt steps and a resumed run exchange exactly alike (hvdcomp's codecs take each exchange's random
-draws at one point, which rounds keep in launch order).
-
-**Order.** torch.distributed pairs collectives by call order. Every worker sees the same hooks (DDP's
-buckets are the same on every worker) and the schedule above depends on nothing else, so every worker
-starts the same collectives in the same order; hierarchical exchanges, whose number of cross-node rounds
-may differ between local ranks, each run to their end before the next one advances.
+rebuilt steps and a resumed run exchange exactly alike. Every worker sees the same hooks (DDP's buckets
+are the same on every worker), so every worker starts the same collectives in the same order. Before the
+first exchange the workers agree on the codec, its settings and the plan (``hvdcomp.exchange.state``).
 
 **no_sync.** DDP calls no hook inside ``no_sync()``; the gradients it accumulated go through the hook
 at the next synchronizing backward. ``stats.steps`` counts synchronizing steps.

@@ -7,12 +7,9 @@ dynamic process sets, ``hvdcomp.init()`` or ``hvd.init(process_sets="dynamic")``
 
 A large ``Op.ALLTOALL`` runs as several all-to-alls of at most ``ALLTOALL_PIECE_BYTES`` per destination
 (Horovod runs them one after another; it fuses no all-to-alls), and so does a large ``*ALLGATHER_EQUAL``
-(each piece sent to every worker). Horovod's Gloo all-to-all and all-gather send each destination's part as
-one message, and a worker's Gloo thread reading its peer's equally large part leaves its own send waiting:
-at 1 Gbit/s, 23.5 MB per peer took 0.38 to 0.41 s in one all-to-all and 0.22 s in 512 KiB pieces (2 workers,
-``benchmarks/cluster_collectives.py``; 0.26, 0.34 and 0.36 s in pieces of 1, 2 and 4 MiB). At 10 Gbit/s the
-pieces cost more than they save: 0.09 to 0.13 s against 0.06 to 0.08 s. Horovod all-gathers cut into pieces
-gain nothing: Horovod fuses them back into one.
+(each piece sent to every worker): Horovod's Gloo sends each destination's part as one message, and a
+worker reading its peer's equally large part leaves its own send waiting, so pieces keep both directions of
+a slow link busy (``docs/benchmarks.md``: ``benchmarks/cluster_collectives.py``).
 
 ``sums_float16`` is True where Horovod's Gloo sums float16 with F16C/AVX (a build of
 ``scripts/install_horovod.sh``, whose wheels carry the local version label ``hvdcomp.f16c``). Horovod as
