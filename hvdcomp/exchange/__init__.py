@@ -2,6 +2,9 @@
 
 - ``protocol``: typed ops (``Op``, ``Scope``, ``Reduction``), the ``Transport`` and ``Topology``
   contracts, ``drive`` and ``drive_together``;
+- ``runner``: ``Runner``, the one scheduler of every entry point's exchanges (launch, advance, name, meter,
+  agree, write back); ``state``: ``ExchangeState`` (codec, exchange step, agreement, checkpoints);
+  ``plan``: bucket plans by name;
 - ``simulator``: W workers in one process (``simulate``);
 - ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``,
   ``Segments``);
