@@ -146,7 +146,7 @@ def _rank_tracebacks(message):
 
 
 # --------------------------------------------------------------------------------------------------
-# 1. a parameter used on one rank only (data-dependent branch), multi-round codecs
+# a parameter used on one rank only (data-dependent branch), multi-round codecs
 # --------------------------------------------------------------------------------------------------
 
 
@@ -208,7 +208,7 @@ def test_param_used_on_one_rank_only_mpi():
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. stock hvd.DistributedOptimizer with hvdcomp compressors: pair by Horovod's tensor names
+# stock hvd.DistributedOptimizer with hvdcomp compressors: pair by Horovod's tensor names
 # --------------------------------------------------------------------------------------------------
 
 
@@ -324,7 +324,7 @@ def _stock_rank_dependent_heads_worker(codec, steps=4):
 
 
 def test_stock_optimizer_rank_dependent_parameters():
-    """Issue 16 item 7: ranks whose losses use different parameters, stock optimizer, hvdcomp compressor: no
+    """Ranks whose losses use different parameters, stock optimizer, hvdcomp compressor: no
     CarrierMismatchError or hang, replicas identical after several steps, and close to Horovod uncompressed
     (QSGD 8 bits with this step's scale; with the scale agreed a step ahead, what exceeds it follows a step
     later, as GlobalRandK sends half of each step and the rest follows through error feedback)."""
@@ -342,7 +342,7 @@ def test_stock_optimizer_rank_dependent_parameters():
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. frozen parameters
+# frozen parameters
 # --------------------------------------------------------------------------------------------------
 
 
@@ -381,7 +381,7 @@ def test_frozen_parameters_are_accepted():
 
 
 # --------------------------------------------------------------------------------------------------
-# 4. (and 16.3) step() after an earlier synchronize(): warn with Horovod's text, then synchronize
+# step() after an earlier synchronize(): warn with Horovod's text, then synchronize
 # --------------------------------------------------------------------------------------------------
 
 
@@ -454,7 +454,7 @@ def _check_step_after_synchronize(results, codec):
 
 
 # --------------------------------------------------------------------------------------------------
-# 5. two wrapped optimizers, one backward
+# two wrapped optimizers, one backward
 # --------------------------------------------------------------------------------------------------
 
 
@@ -501,7 +501,7 @@ def test_two_optimizers_one_backward():
 
 
 # --------------------------------------------------------------------------------------------------
-# 6. FP16 error feedback: a non-finite (overflowing) step leaves the memories untouched
+# FP16 error feedback: a non-finite (overflowing) step leaves the memories untouched
 # --------------------------------------------------------------------------------------------------
 
 
@@ -551,7 +551,7 @@ def test_fp16_error_feedback_skips_nonfinite_steps():
 
 
 # --------------------------------------------------------------------------------------------------
-# 7. FP16 over MPITransport
+# FP16 over MPITransport
 # --------------------------------------------------------------------------------------------------
 
 
@@ -585,7 +585,7 @@ def test_fp16_over_mpi_transport():
 
 
 # --------------------------------------------------------------------------------------------------
-# 8. GlobalRandK's absolute k: per tensor everywhere (stock path, buckets, hierarchical shards)
+# GlobalRandK's absolute k: per tensor everywhere (stock path, buckets, hierarchical shards)
 # --------------------------------------------------------------------------------------------------
 
 K = 14
@@ -643,7 +643,7 @@ def test_randk_k_is_per_tensor_hierarchical():
 
 
 # --------------------------------------------------------------------------------------------------
-# 9. Birder's configuration checks run on every rank (3 workers as 2 + 1)
+# Birder's configuration checks run on every rank (3 workers as 2 + 1)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -670,7 +670,7 @@ def test_birder_uneven_nodes_fails_on_every_rank():
 
 
 # --------------------------------------------------------------------------------------------------
-# 10. Birder: no weight decay for frozen parameters and parameters without a gradient (like AdamW)
+# Birder: no weight decay for frozen parameters and parameters without a gradient (like AdamW)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -712,7 +712,7 @@ def test_birder_skips_weight_decay_without_gradient():
 
 
 # --------------------------------------------------------------------------------------------------
-# 11. keyword and positional parity with hvd.DistributedOptimizer
+# keyword and positional parity with hvd.DistributedOptimizer
 # --------------------------------------------------------------------------------------------------
 
 HOROVOD_ORDER = ["optimizer", "named_parameters", "compression", "backward_passes_per_step", "op",
@@ -809,7 +809,7 @@ def test_sparse_as_dense_is_accepted():
 
 def _stock_sparse_worker():
     """Horovod's own optimizer with our compressor and a sparse Embedding (sparse_as_dense=False): Horovod
-    reduces the sparse gradient itself and calls decompress(output, None) (issue 16.8)."""
+    reduces the sparse gradient itself and calls decompress(output, None)."""
     import horovod.torch as hvd
 
     import hvdcomp
@@ -865,7 +865,7 @@ def test_rank_outside_process_set_is_a_noop():
 
 
 # --------------------------------------------------------------------------------------------------
-# 12. detaching an optimizer: close() and the context manager
+# detaching an optimizer: close() and the context manager
 # --------------------------------------------------------------------------------------------------
 
 
@@ -911,7 +911,7 @@ def test_close_and_context_manager_detach_hooks():
 
 
 # --------------------------------------------------------------------------------------------------
-# also: one rank raises mid-step
+# one rank raises mid-step
 # --------------------------------------------------------------------------------------------------
 
 
@@ -974,7 +974,7 @@ def test_one_rank_raises_mid_step(kind):
 
 
 # --------------------------------------------------------------------------------------------------
-# also: hvd.broadcast_parameters / hvd.broadcast_optimizer_state (all ranks start empty)
+# hvd.broadcast_parameters / hvd.broadcast_optimizer_state (all ranks start empty)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -1011,7 +1011,7 @@ def test_broadcast_state_and_parameters_keep_weights(kind):
 
 
 # --------------------------------------------------------------------------------------------------
-# issue 16.1: resume pattern, optimizer state on rank 0 only, then broadcast_optimizer_state
+# the resume pattern, optimizer state on rank 0 only, then broadcast_optimizer_state
 # --------------------------------------------------------------------------------------------------
 
 
@@ -1058,7 +1058,7 @@ def test_broadcast_state_from_rank0_checkpoint():
 
 
 # --------------------------------------------------------------------------------------------------
-# issue 16.4: optimizer._parameter_names with Horovod's meaning
+# optimizer._parameter_names with Horovod's meaning
 # --------------------------------------------------------------------------------------------------
 
 
@@ -1092,7 +1092,7 @@ def test_parameter_names_like_horovod():
 
 
 # --------------------------------------------------------------------------------------------------
-# review follow-ups: hvdcomp state loaded on rank 0 only, names after a sub-process-set optimizer,
+# hvdcomp state loaded on rank 0 only, names after a sub-process-set optimizer,
 # sparse gradients with accumulation, one compression object for two optimizers
 # --------------------------------------------------------------------------------------------------
 
