@@ -10,7 +10,8 @@ Every ```python block of README.md runs in one of these tests:
 The snippets use ``model``, ``optimizer`` and ``batches`` as the user's own; the tests provide them with
 ``PREAMBLE`` (a tiny ``torch.nn.Linear`` model, SGD and a few random batches). A Horovod block that builds
 an entry point (``DistributedOptimizer(`` or ``Birder(``) starts from a fresh preamble; any other Horovod
-block continues in the namespace of the block before it (the checkpoint block follows the optimizer).
+block (the checkpoint block) continues in the namespace of the last block that built
+``hvdcomp.DistributedOptimizer``.
 
 Every relative link in README.md and docs/*.md must name an existing file, and an anchor (``#...``) must
 name a heading of that file.
@@ -112,12 +113,17 @@ def _run_horovod_blocks(blocks: list[str], workdir: str) -> list[list[float]]:
 
     os.chdir(workdir)
     namespace: dict = {}
+    wrapped: dict = {}  # the namespace of the last block that built hvdcomp.DistributedOptimizer
     sums = []
-    for block in blocks:
+    for number, block in enumerate(blocks):
         if "DistributedOptimizer(" in block or "Birder(" in block:
             namespace = {}
             exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)  # noqa: S102
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 (our own README)
+            if "hvdcomp.DistributedOptimizer(" in block:
+                wrapped = namespace
+        else:
+            namespace = wrapped
+        exec(compile(block, f"<README.md, Horovod block {number}>", "exec"), namespace)  # noqa: S102
         params = torch.cat([p.detach().flatten() for p in namespace["model"].parameters()])
         assert torch.isfinite(params).all()
         sums.append([float(params.sum()), float(hvd.size())])
@@ -129,14 +135,12 @@ def test_readme_horovod_blocks_run_on_two_workers(tmp_path):
     from tests.harness import run_function
 
     blocks = _blocks("horovod")
-    workdirs = []
     results = run_function(_run_horovod_blocks, np=2, init="hvdcomp", timeout=300,
                            kwargs={"blocks": blocks, "workdir": str(tmp_path)})
     assert len(results) == 2
     assert results[0] == results[1]  # both workers hold the same model after every block
     assert all(size == 2.0 for _, size in results[0])
     assert sorted(p.name for p in tmp_path.glob("ckpt.rank*")) == ["ckpt.rank0", "ckpt.rank1"]
-    del workdirs
 
 
 # --- the DDP block, as a world of one -----------------------------------------------------------------
