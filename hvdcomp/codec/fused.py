@@ -9,8 +9,8 @@ Tensors passed through ``static(t)`` (e.g. the lane shifts of a word layout) kee
 graph: one graph per lane count, which lets Inductor unroll the packing. Inductor caches compiled code
 on disk (``TORCHINDUCTOR_CACHE_DIR``, default under ``/tmp``), so later processes skip the C++ compile.
 A kernel compiles for ``torch.get_num_threads()`` at its first call (Inductor's ``cpp.threads``, part of
-that cache's key): without it, a process with 2 threads reused kernels cached by a process with 1 thread,
-which run on one thread (Birder's draw 1.3 against 0.7 ns per element at 2 threads).
+that cache's key), so a process never reuses a kernel cached for fewer threads than it has
+(docs/benchmarks.md#kernel-level-measurements).
 
 **Fallback.** ``HVDCOMP_FUSED=0`` in the environment runs every kernel eagerly. If compiling or running a
 compiled kernel raises (no C++ compiler, ``CXX`` unusable, an unsupported backend), every kernel falls back

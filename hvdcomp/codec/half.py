@@ -2,14 +2,14 @@
 error-feedback residual; summing W workers' float16 chunks at float32 in rank order, rounded once; the mean
 of the float16 sums; and the residual's update with what rounding lost. Pure tensor math, no collectives.
 
-Every function writes into buffers its caller keeps (``HalfBuffers`` per bucket, and the mean's). The passes
-over several tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
-``sum_rows_to_half`` (W reads, one write), ``mean_from_half_sums`` (with the NaN/Inf check in the same pass)
-and ``add_rounding_error``.
-Compiled, they write straight into those buffers (no gradient-sized temporary; eagerly the chunk sum and the
-NaN/Inf check allocate one). Their ``_eager`` functions are the readable reference: the same float32
-operations in the same order, so both paths give the same bits (but for a NaN's payload: eager float16
-conversion gives 0x7fff, compiled 0x7e00; both are NaN).
+Every function writes into buffers its caller keeps (``HalfBuffers`` per bucket, and the mean's). The passes over
+several tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
+``sum_rows_to_half`` (W reads, one write), ``mean_from_half_sums`` (with the NaN/Inf check in the same pass) and
+``add_rounding_error``, because fused passes cost a fraction of the eager ones
+(docs/benchmarks.md#kernel-level-measurements). Compiled, they write straight into those buffers (no gradient-sized
+temporary; eagerly the chunk sum and the NaN/Inf check allocate one). Their ``_eager`` functions are the readable
+reference: the same float32 operations in the same order, so both paths give the same bits (but for a NaN's payload:
+eager float16 conversion gives 0x7fff, compiled 0x7e00; both are NaN).
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ def pack_lanes(lanes: torch.Tensor, shifts: torch.Tensor, offset: int = 0) -> to
     Two formulations of the same integers: eagerly one shift and one sum over the lane dimension of the
     zero-padded lanes (fewest ops); under ``torch.compile`` the whole words as an unrolled sum of the ``L``
     lane columns (``shifts`` is static there) plus the last, partial word apart, which Inductor turns into
-    a vectorized loop over words without a bounds check per lane (about 2x faster than a reduction, and 8x
-    for bool lanes)."""
+    a vectorized loop over words without a bounds check per lane, faster than a reduction
+    (docs/benchmarks.md#kernel-level-measurements)."""
     per_word, numel = shifts.numel(), lanes.numel()
     words = (numel + per_word - 1) // per_word
     if not torch.compiler.is_compiling():
@@ -196,9 +196,8 @@ def pack_lane_blocks(lanes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     shifted by ``shifts[l]``. Summable as ``pack_lanes``' words are; only the order of the values differs.
 
     Every lane of ``B`` consecutive words then comes from ``B`` consecutive values, so a fused kernel reads
-    and writes whole vectors (Birder's draw: 1.3 to 1.4 against 3.0 ns per element in ``pack_lanes``' order,
-    its mean 0.4 against 0.8). Eagerly one shift and one sum over the lanes; compiled an unrolled sum
-    (``shifts`` static)."""
+    and writes whole vectors (docs/benchmarks.md#kernel-level-measurements). Eagerly one shift and one sum over
+    the lanes; compiled an unrolled sum (``shifts`` static)."""
     grid = lanes.view(-1, shifts.numel(), LANE_BLOCK_WORDS).to(torch.int64)
     if not torch.compiler.is_compiling():
         return grid.bitwise_left_shift(shifts.view(1, -1, 1)).sum(dim=1).view(-1)

@@ -4,10 +4,10 @@
 Philox4x32 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC 2011; the
 generator behind cuRAND's and JAX's counter streams, with 10 rounds) maps a 128-bit counter and a 64-bit key to
 128 random bits with rounds of two 32 x 32 -> 64-bit multiplications. Its authors report it Crush-resistant (it
-passes TestU01's SmallCrush, Crush and BigCrush) from 7 rounds, and use 10 by default for a safety margin. Here
-7, which cut a compiled draw from 2.3 to 1.5 ns per element on an AVX2-only CPU (inside QSGD 2's encode 0.16 to
-0.45 of its 3.3 to 4.25 ns; QSGD 4's and 8's did not measurably change). ``tests/test_random.py`` checks
-Random123's known answers for 7 and 10 rounds and the statistics of the draws. Here:
+passes TestU01's SmallCrush, Crush and BigCrush) from 7 rounds, and use 10 by default for a safety margin. We use
+7 rounds, the fewest that are Crush-resistant, because the draw is a large part of the codec's cost
+(measurements: docs/benchmarks.md#kernel-level-measurements). ``tests/test_random.py`` checks Random123's known
+answers for 7 and 10 rounds and the statistics of the draws. Here:
 
 - key: ``stable_seed(seed, purpose, rank, tensor key)`` (63 bits) split into two 32-bit words;
 - counter: ``(j mod 2**32, j // 2**32, step mod 2**32, step // 2**32)`` for block ``j``;
@@ -15,19 +15,18 @@ Random123's known answers for 7 and 10 rounds and the statistics of the draws. H
   ``r`` (``r < 4``) or the low half of word ``r - 4``; its uniform is ``(h + 1/2) 2**-16`` for those 16 bits
   ``h``, a float32 in (0, 1) (every value exact), symmetric about 1/2.
 
-Sixteen bits, not 24 as before: a Philox block then serves 8 elements, not 4, and the draw is most of QSGD's
-encode (with 10 rounds, 24-bit draws took 4.0 to 4.4 of its 4.8 ns per element compiled on an AVX2-only CPU,
-16-bit ones 2.4 to 3.2). Stochastic rounding ``floor(m + U)`` is then off by at most ``2**-17`` of a level either
-way (zero on average over the fractions of ``m``), below float32's own rounding of ``m + U`` near the top of 8-bit
-levels (``2**-16``).
+Each draw takes 16 bits, so one Philox block serves 8 elements (measurements:
+docs/benchmarks.md#kernel-level-measurements). Stochastic rounding ``floor(m + U)`` is then off by at most
+``2**-17`` of a level either way (zero on average over the fractions of ``m``), below float32's own rounding of ``m
++ U`` near the top of 8-bit levels (``2**-16``).
 
 Each 32-bit word is held in an int64 tensor, and every operation is an integer add, xor, shift, mask or a product
 below ``2**63`` in magnitude (``_mulhilo_int64`` multiplies by ``m - 2**32``): no overflow anywhere. Compiled for
 a CPU without AVX-512 (``CPU_INT32_LANES``), whose vectors have no 64-bit multiply, the words are held in int32
 tensors as their two's-complement bits instead, and every operation is an int32 add, xor, mask, shift or product
 that keeps the low 32 bits (torch's integer arithmetic wraps); the high word of a 32 x 32-bit product then comes
-from four products of 16-bit halves (``_mulhilo_int32``). On an AVX2-only AMD EPYC a compiled draw of 10 rounds
-cost 4.8 ns per element in int64 lanes and 3.2 in int32 ones; eagerly, int64 lanes are the faster (fewer passes).
+from four products of 16-bit halves (``_mulhilo_int32``). Compiled, int32 lanes are the faster form on such a
+CPU; eagerly, int64 lanes are (fewer passes; docs/benchmarks.md#kernel-level-measurements).
 Both give the same bits, eagerly or compiled (``hvdcomp.codec.fused``), on CPU or GPU. No state: a draw is a
 pure function of its key, step and element index, so it resumes, replays and reorders exactly.
 """

@@ -1,15 +1,14 @@
 """Result buffers handed out again once nothing refers to them: no gradient-sized allocation per step.
 
-A decode that returned a fresh tensor every step had the kernel fault in new pages for every result (glibc returns
-large freed blocks to the system): in a one-worker ResNet-50 step on the AVX2 machine QSGD's native decode took
-about 40 ms into fresh results and about 22 ms into reused ones. ``ResultBuffers`` keeps, per key, the buffer it
-handed out last, and hands it out again only when no other tensor (a view such as ``p.grad``, a NumPy array) shares
-its storage any more; otherwise it allocates a new one. So a result is still never rewritten while its caller can
-see it: to the caller each result is a new tensor (``reuses_result`` stays False), and the usual loop (``zero_grad``
-drops the gradients, the next exchange decodes) reuses the same memory every step. The buffer stays allocated
-between steps (one result's size per key). A Python handle on the raw storage (``tensor.untyped_storage()``) is not
-counted. The count is torch's (``torch._C._storage_Use_Count``); a torch without it gets a new buffer every time, as
-before.
+A decode into a fresh tensor every step faults in new pages for every result (glibc returns large freed blocks to
+the system), which costs about as much as the decode itself (docs/benchmarks.md#kernel-level-measurements).
+``ResultBuffers`` keeps, per key, the buffer it handed out last, and hands it out again only when no other tensor (a
+view such as ``p.grad``, a NumPy array) shares its storage any more; otherwise it allocates a new one. So a result
+is still never rewritten while its caller can see it: to the caller each result is a new tensor (``reuses_result``
+stays False), and the usual loop (``zero_grad`` drops the gradients, the next exchange decodes) reuses the same
+memory every step. The buffer stays allocated between steps (one result's size per key). A Python handle on the raw
+storage (``tensor.untyped_storage()``) is not counted. The count is torch's (``torch._C._storage_Use_Count``); a
+torch without it gets a new buffer every time.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ selector; the coordinates come from ``selection``). ``indices`` are sorted, dist
 flat float32 bucket.
 
 ``gather`` runs as one fused kernel (``hvdcomp.codec.fused``): the NaN/Inf check of the whole bucket (a pass
-over every element, which eagerly costs several times the rest of a step) and the gather of the chosen
-values, plus their error-feedback residuals, in one call. The memory update and the scatter stay eager, in
+over every element, the costliest part when eager) and the gather of the chosen values, plus their
+error-feedback residuals, in one call. The memory update and the scatter stay eager, in
 place: ``residual += flat`` then zeroing the sent residuals, and zeroing a reused output then writing the mean
 at ``indices``, are each one pass over the bucket and one over k; compiled, Inductor functionalizes such an
-update (a new bucket-sized buffer, then a copy back), which measured several times slower.
+update (a new bucket-sized buffer, then a copy back), which is slower (docs/benchmarks.md#kernel-level-measurements).
 """
 
 from __future__ import annotations
