@@ -23,6 +23,7 @@ from ..exchange.protocol import Op
 from .parity import called_by_elastic_sync
 
 LOG = logging.getLogger("hvdcomp")
+BIRDER_KEYS = ("numel", "step", "seed", "m", "b", "active", "rank", "world_size")
 
 
 def birder_state(optimizer: Any) -> dict[str, Any]:
@@ -43,25 +44,26 @@ def birder_state(optimizer: Any) -> dict[str, Any]:
 def load_birder_state(optimizer: Any, state_dict: dict[str, Any],
                       load_torch_state: Callable[[dict[str, Any]], None]) -> None:
     """Load a Birder state dict: torch's part with ``load_torch_state``, then the ``"birder"`` entry;
-    ``ValueError`` (nothing loaded) if it is missing or holds another element count. A state saved before the
-    counter-based streams also holds ``"generator"`` (a torch.Generator state): it is ignored, as the streams
-    need no state; the draws after such a resume are fresh, identically distributed."""
+    ``ValueError`` (nothing loaded) if it is missing, lacks a key, or holds another element count."""
     state_dict = dict(state_dict)
     birder = state_dict.pop("birder", None)
     if birder is None:
         raise ValueError("Birder.load_state_dict: no 'birder' entry (not a Birder state dict)")
     layout = optimizer._ensure_buffers()
+    missing = sorted(set(BIRDER_KEYS) - set(birder))
+    if missing:
+        raise ValueError(f"Birder.load_state_dict: the 'birder' entry lacks {missing}")
     if birder["numel"] != layout.numel:
         raise ValueError(f"Birder.load_state_dict: {birder['numel']} elements saved, {layout.numel} here")
     load_torch_state(state_dict)
     optimizer._agreed = False
     optimizer._step = int(birder["step"])
-    optimizer.seed = birder.get("seed", optimizer.seed)  # older states: the streams' seed is the constructor's
+    optimizer.seed = birder["seed"]
     optimizer._m.copy_(birder["m"])
     optimizer._b.copy_(birder["b"])
     optimizer._active.copy_(birder["active"])
     optimizer._all_active = bool(optimizer._active.all())
-    saved = birder.get("world_size")  # None: saved by an older version, or stepped without a transport (simulate)
+    saved = birder["world_size"]  # None: stepped without a transport (simulate)
     size = None if saved is None else optimizer.transport.size
     if saved != size:
         optimizer._rank = None

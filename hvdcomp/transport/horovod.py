@@ -192,9 +192,8 @@ class HorovodTransport(Transport):
             reduce_op = hvd.Max if op.reduction is Reduction.MAX else hvd.Sum
             if name is None:
                 return hvd.allreduce_async(tensor, op=reduce_op, process_set=group)
-            # Horovod's allreduce_async with an output reused once nothing refers to it: a fresh one is
-            # faulted in page by page as Horovod copies the sum into it (a timeline of FP16 showed one fused
-            # group's 40 MB take 47 ms there)
+            # an output reused once nothing refers to it: a fresh one is faulted in page by page while Horovod
+            # copies the sum into it (docs/benchmarks.md)
             output = self._sums.take(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
             return hvd.mpi_ops._allreduce_async(tensor, output, name, reduce_op, 1.0, 1.0, group)
         except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
