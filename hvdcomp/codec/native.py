@@ -5,35 +5,47 @@ and Birder's moments update and draw (into lane words or bools), its mean from +
 and bit packing, unpacking and counting for the two-stage and hierarchical routes, each run as one pass over
 the bucket, a few thousand values at a time through stack buffers, with QSGD's per-element scale factor read from
 per-group factors (no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
-(``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``). On an AVX2-only CPU, where
-Inductor has no vector 32 x 32 -> 64-bit multiply (Philox's products took 5 multiplications of 16-bit halves),
-``benchmarks/codec_costs.py --workers 8`` gave QSGD 2 / 4 / 8 4.9 to 8.0 ns per element all in with
-``torch.compile``'s kernels and 2.1 to 2.3 with these.
+(``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
+
+**Sizes.** Every wrapper below checks the device, dtype, contiguity and size of each tensor it hands the kernels
+(O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; the kernels read and write only within
+the sizes they are given.
 
 **Build.** At first use, the C++ compiler Inductor would use (``CXX``, else ``g++``, else ``c++``) builds the
 file with ``-O3 -march=native -ffp-contract=off`` (no fused multiply-add: the same float32 roundings as
-eager) into ``native/`` under ``HVDCOMP_CACHE_DIR`` (the cache ``scripts/install_horovod.sh`` keeps its Horovod
-wheels in; default here ``<tmp>/hvdcomp_<user>``, as Inductor's), under a name keyed by the source, the
-compiler, the flags and this CPU's features, so a cache shared by several machines never hands one a library
-built for another's instructions. The build takes about a second; concurrent workers each build to a
-temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
+eager) into ``native/`` under ``cache_dir()`` (``HVDCOMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/hvdcomp``, else
+``~/.cache/hvdcomp``: the cache ``scripts/install_horovod.sh`` keeps its Horovod wheels in), under a name keyed
+by the source, the compiler, the flags and this CPU's features, so a cache shared by several machines never hands
+one a library built for another's instructions. The build runs at first use, not at install time, because the
+key includes the CPU that runs it (an image or a shared venv is built on another machine). Concurrent workers each
+build to a temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
 any fused kernel (``hvdcomp.codec.fused.fail``: one warning, eager from then on).
+
+**Trust.** A loaded library runs as this process, so only files this user alone controls are loaded: the cache
+directory and its ``native/`` are created with mode 0700, and each of them and the library file must be no symlink,
+owned by this user and not group- or world-writable. The file is opened without following links, checked through
+that descriptor and loaded through ``/proc/self/fd`` (what was checked is what is loaded). If the cache fails a
+check, one ``RuntimeWarning`` says why and the kernels are built into a fresh private temporary directory instead
+(removed once loaded).
 
 **When.** On CPU tensors, while fused kernels are enabled (``HVDCOMP_FUSED``, ``fused.eager()``), unless
 ``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over
-``torch.get_num_threads()`` threads in whole lane blocks (ctypes releases the GIL during the calls).
+``torch.get_num_threads()`` threads in whole lane blocks (ctypes releases the GIL during the calls) on a pool
+that a forked child replaces with its own.
 """
 
 from __future__ import annotations
 
 import ctypes
-import getpass
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,13 +54,16 @@ from typing import Callable
 import torch
 
 from . import fused
+from .cache import CACHE_ENV as CACHE_ENV
+from .cache import UnsafeCache, cache_dir, check_private, private_dir
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
 from .random import OUTPUTS_PER_BLOCK
 
 ENV_SWITCH = "HVDCOMP_NATIVE"
-CACHE_ENV = "HVDCOMP_CACHE_DIR"
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
 MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
@@ -58,6 +73,15 @@ class _Library:
     tried = False
     pool: ThreadPoolExecutor | None = None
     pool_threads = 0
+    lock = threading.Lock()  # guards the lazy load and the pool
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the pool without its threads: forget it (and the lock, which may be held)."""
+    _Library.pool, _Library.pool_threads, _Library.lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def compiler() -> str:
@@ -75,17 +99,21 @@ def _cpu_features() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def flags() -> tuple[str, ...]:
+    """``FLAGS``, plus the sanitizers' when ``HVDCOMP_NATIVE_SANITIZE=1`` (``make sanitize``)."""
+    return FLAGS + (SANITIZE_FLAGS if os.environ.get(SANITIZE_ENV) == "1" else ())
+
+
 def library_path(cxx: str) -> Path:
-    """Where the library built by ``cxx`` for this CPU lives (built or not)."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
+    """Where the library built by ``cxx`` for this CPU lives in ``cache_dir()`` (built or not)."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(flags()).encode(),
                                      _cpu_features().encode()])).hexdigest()[:24]
-    cache = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / f"hvdcomp_{getpass.getuser()}")
-    return cache / "native" / f"native_kernels_{key}.so"
+    return cache_dir() / "native" / f"native_kernels_{key}.so"
 
 
 def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile ``SOURCE`` into ``target`` atomically (a temporary name, then a rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
@@ -93,18 +121,43 @@ def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.chmod(temporary, 0o700)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
 
 
+def open_checked(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (``declare``d), opened without following a link, checked (``check_private``) through
+    its descriptor and loaded through that descriptor, so the file checked is the file loaded."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCache(f"{path} is not a regular file")
+        check_private(path, st)
+        return declare(ctypes.CDLL(f"/proc/self/fd/{fd}"))
+    finally:
+        os.close(fd)
+
+
 def _load() -> ctypes.CDLL:
-    cxx = compiler()
+    cxx, options = compiler(), flags()
     path = library_path(cxx)
-    if not path.exists():
-        build(cxx, path)
-    return declare(ctypes.CDLL(str(path)))
+    try:
+        private_dir(path.parent.parent)
+        private_dir(path.parent)
+        if not os.path.lexists(path):
+            build(cxx, path, options)
+        return open_checked(path)
+    except OSError as refusal:  # UnsafeCache, or a symlink that O_NOFOLLOW refused (ELOOP)
+        warnings.warn(f"hvdcomp: not loading the native kernels from {path.parent} ({refusal}); building them in a "
+                      f"fresh private directory", RuntimeWarning, stacklevel=4)
+    with tempfile.TemporaryDirectory(prefix="hvdcomp-native-") as fresh:  # mkdtemp: mode 0700, this user's
+        path = Path(fresh) / path.name
+        build(cxx, path, options)
+        return open_checked(path)
 
 
 _SIGNATURES = {  # each kernel's argument types (all return nothing)
@@ -136,12 +189,13 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built at the first call; None if building or loading failed (``fused.fail`` warned)."""
-    if not _Library.tried:
-        _Library.tried = True
-        try:
-            _Library.handle = _load()
-        except Exception as error:  # noqa: BLE001 (no compiler, a failed build, an unloadable file)
-            fused.fail(error, stacklevel=4)
+    with _Library.lock:
+        if not _Library.tried:
+            _Library.tried = True
+            try:
+                _Library.handle = _load()
+            except Exception as error:  # noqa: BLE001 (no compiler, a failed build, an unloadable file)
+                fused.fail(error, stacklevel=4)
     return _Library.handle
 
 
@@ -158,12 +212,15 @@ def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int)
     if threads == 1:
         run(0, values)
         return
-    if _Library.pool is None or _Library.pool_threads < threads - 1:
-        _Library.pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="hvdcomp-native")
-        _Library.pool_threads = threads - 1
-    blocks = values // per_block
-    bounds = [blocks * t // threads * per_block for t in range(threads + 1)]
-    pending = [_Library.pool.submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    with _Library.lock:
+        if _Library.pool is None or _Library.pool_threads < threads - 1:
+            if _Library.pool is not None:  # a smaller pool: its threads end once their work is done
+                _Library.pool.shutdown(wait=False)
+            _Library.pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="hvdcomp-native")
+            _Library.pool_threads = threads - 1
+        blocks = values // per_block
+        bounds = [blocks * t // threads * per_block for t in range(threads + 1)]
+        pending = [_Library.pool.submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
     run(bounds[0], bounds[1])
     for future in pending:
         future.result()
