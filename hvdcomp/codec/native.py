@@ -226,9 +226,36 @@ def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int)
         future.result()
 
 
-def _groups(groups: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU."""
-    return groups.cumsum(0).contiguous(), factors.float().contiguous()
+def _checked(name: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+    """``tensor``, checked to be a contiguous CPU tensor of ``dtype`` (of ``numel`` elements if given)."""
+    if not (tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()):
+        raise ValueError(f"the kernels take {name} as a contiguous {dtype} CPU tensor, not {tensor.dtype} on "
+                         f"{tensor.device} (contiguous: {tensor.is_contiguous()})")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"the kernels take {name} of {numel} elements, not {tensor.numel()}")
+    return tensor
+
+
+def _stream(rng: torch.Tensor) -> torch.Tensor:
+    """The rounding stream's words as contiguous int64 ``[4]`` on the CPU (``random.stream_words``), checked."""
+    return _checked("the stream words", rng.to(torch.int64).contiguous(), torch.int64, 4)
+
+
+def _check_lanes(lanes: int, width: int) -> None:
+    if not (lanes >= 1 and width >= 1 and lanes * width <= 64):
+        raise ValueError(f"{lanes} lanes of {width} bits do not fit a 64-bit word")
+
+
+def _groups(groups: torch.Tensor, factors: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU, checked: one factor per
+    group, the groups splitting ``numel`` values."""
+    ends = groups.to("cpu", torch.int64).cumsum(0).contiguous()
+    factors = factors.to("cpu", torch.float32).contiguous()
+    if factors.shape != ends.shape or groups.dim() != 1:
+        raise ValueError(f"{factors.numel()} scale factors for {groups.numel()} scale groups")
+    if ends.numel() and (int(ends[-1]) != numel or bool((groups < 0).any())):
+        raise ValueError(f"scale groups of {int(ends[-1])} elements do not split {numel}")
+    return ends, factors
 
 
 def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -237,7 +264,7 @@ def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
     skip = first % OUTPUTS_PER_BLOCK
     blocks = -(-(skip + numel) // OUTPUTS_PER_BLOCK)
     draws = torch.empty(blocks * OUTPUTS_PER_BLOCK, dtype=torch.float32)
-    words = rng.to(torch.int64).contiguous()  # alive through the call
+    words = _stream(rng)  # alive through the call
     _Library.handle.hvdcomp_uniform(words.data_ptr(), first - skip, draws.numel(), draws.data_ptr())
     return draws[skip:skip + numel]
 
@@ -257,9 +284,10 @@ def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse:
     """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given): ``quantize``'s encode words of flat float32
     ``x`` (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream
     words."""
-    ends, factors = _groups(groups, factors)
-    rng = rng.to(torch.int64).contiguous()
-    numel = x.numel()
+    _check_lanes(lanes, width)
+    numel = _checked("x", x, torch.float32).numel()
+    ends, factors = _groups(groups, factors, numel)
+    rng = _stream(rng)
     out = _output(out, lane_block_words(numel, lanes), torch.int64)
     lib = _Library.handle
 
@@ -276,10 +304,13 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     """float32 ``[words * lanes]`` (into ``means`` if given: contiguous, that size): ``(lane - offset) * factors[g]``
     per value of the int64 blocked-order ``word_sums`` (whole lane blocks), 0 past the groups; ``factors[g]`` =
     ``M / (s W)`` of group ``g``."""
-    ends, factors = _groups(groups, factors)
+    _check_lanes(lanes, width)
+    word_sums = _checked("the word sums", word_sums.contiguous(), torch.int64)
     if word_sums.numel() % LANE_BLOCK_WORDS:
         raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
-    word_sums = word_sums.contiguous()
+    ends, factors = _groups(groups, factors, int(groups.sum()) if groups.numel() else 0)
+    if ends.numel() and int(ends[-1]) > word_sums.numel() * lanes:
+        raise ValueError(f"scale groups of {int(ends[-1])} elements exceed {word_sums.numel()} words")
     means = _output(means, word_sums.numel() * lanes, torch.float32)
     lib = _Library.handle
 
@@ -291,17 +322,20 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     return means
 
 
-def _moment_args(m: torch.Tensor, grad: torch.Tensor | None,
+def _moment_args(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor | None,
                  runs: Sequence[tuple[int, int, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient (``m`` itself where there are no runs: not read), the run bounds (int64 ``[2 R]``) and their
-    ``beta, 1 - beta`` (float32 ``[2 R]``) for the kernels that update Birder's moments, checked."""
-    numel = m.numel()
+    ``beta, 1 - beta`` (float32 ``[2 R]``) for the kernels that update Birder's moments, checked (``b`` too)."""
+    numel = _checked("m", m, torch.float32).numel()
+    _checked("b", b, torch.float32, numel)
     edges = [edge for lo, hi, _ in runs for edge in (lo, hi)]
     if edges != sorted(edges) or (edges and (edges[0] < 0 or edges[-1] > numel)):
         raise ValueError(f"moment runs must be ascending, disjoint spans of [0, {numel}), got {list(runs)}")
     if runs and (grad is None or grad.shape != m.shape):
         shape = None if grad is None else tuple(grad.shape)
         raise ValueError(f"updating the moments needs a gradient of {numel} elements, got {shape}")
+    if runs:
+        _checked("the gradient", grad, torch.float32, numel)
     bounds = torch.tensor(edges, dtype=torch.int64)
     betas = torch.tensor([value for _, _, beta in runs for value in (beta, 1.0 - beta)], dtype=torch.float32)
     return (grad if runs else m), bounds, betas
@@ -323,9 +357,10 @@ def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: i
     ``first``, the draw's first uniform, a multiple of 8), after updating the moments over ``runs`` (ascending,
     disjoint ``[lo, hi)`` spans of ``[0, n)`` with their beta) from ``grad`` (``usable``), in the same pass."""
     _check_first(first)
-    rng = rng.to(torch.int64).contiguous()
+    _check_lanes(lanes, width)
+    rng = _stream(rng)
     numel = m.numel()
-    grad, bounds, betas = _moment_args(m, grad, runs)
+    grad, bounds, betas = _moment_args(m, b, grad, runs)
     out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
     lib = _Library.handle
 
@@ -343,8 +378,8 @@ def draw_bools(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.T
     uniforms ``0 .. n - 1`` of ``rng``, after updating the moments over ``runs`` (as ``draw_bit_words``)."""
     numel = m.numel()
     out = _output(out, numel, torch.bool)
-    rng = rng.to(torch.int64).contiguous()
-    grad, bounds, betas = _moment_args(m, grad, runs)
+    rng = _stream(rng)
+    grad, bounds, betas = _moment_args(m, b, grad, runs)
     lib = _Library.handle
 
     def run(lo: int, hi: int) -> None:
@@ -358,7 +393,10 @@ def draw_bools(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.T
 def binarize_counts(counts: torch.Tensor, group: int, length: int, rng: torch.Tensor, first: int) -> torch.Tensor:
     """bool ``[length]``: ``onebit.binarize_counts`` of contiguous int64 ``counts`` (CPU; ``first`` a multiple of 8)."""
     _check_first(first)
-    rng = rng.to(torch.int64).contiguous()
+    _checked("the counts", counts, torch.int64)
+    if counts.numel() > length:
+        raise ValueError(f"{counts.numel()} counts do not fit {length} bits")
+    rng = _stream(rng)
     out = torch.empty(length, dtype=torch.bool)
     lib = _Library.handle
 
@@ -372,7 +410,7 @@ def binarize_counts(counts: torch.Tensor, group: int, length: int, rng: torch.Te
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """uint8 ``[rows, ceil(n / 8)]``: ``packing.bits_to_bytes`` of contiguous bool ``[rows, n]`` (CPU)."""
-    rows, numel = bits.shape
+    rows, numel = _checked("the bits", bits, torch.bool).shape
     out = torch.empty(rows, -(-numel // 8), dtype=torch.uint8)
     _Library.handle.hvdcomp_pack_bits(bits.data_ptr(), rows, numel, out.data_ptr())
     return out
@@ -380,15 +418,34 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """bool ``[rows, numel]``: ``packing.bytes_to_bits`` of contiguous uint8 ``[rows, bytes]`` (CPU)."""
-    rows, size = packed.shape
+    rows, size = _packed_rows(packed, numel)
     out = torch.empty(rows, numel, dtype=torch.bool)
     _Library.handle.hvdcomp_unpack_bits(packed.data_ptr(), rows, size, numel, out.data_ptr())
     return out
 
 
+def _packed_rows(packed: torch.Tensor, numel: int) -> tuple[int, int]:
+    """(rows, bytes) of contiguous uint8 ``[rows, bytes]`` ``packed`` (CPU), checked to hold ``numel`` bits a row."""
+    rows, size = _checked("the packed bits", packed, torch.uint8).shape
+    if not 0 <= numel <= size * 8:
+        raise ValueError(f"rows of {size} bytes do not hold {numel} bits")
+    return rows, size
+
+
+def _lane_words(words: torch.Tensor, numel: int, lanes: int, width: int) -> torch.Tensor:
+    """Contiguous int64 ``words`` (CPU), checked to hold ``numel`` values of ``lanes`` consecutive lanes."""
+    _check_lanes(lanes, width)
+    _checked("the lane words", words, torch.int64)
+    if not 0 <= numel <= words.numel() * lanes:
+        raise ValueError(f"{words.numel()} words of {lanes} lanes do not hold {numel} values")
+    return words
+
+
 def pack_lanes(values: torch.Tensor, lanes: int, width: int) -> torch.Tensor:
     """int64 ``[ceil(n / lanes)]``: contiguous int64 ``values`` ``[n]`` (CPU; in ``[0, 2**width)``) in consecutive
     lanes (``packing.LaneLayout.pack`` without an offset)."""
+    _check_lanes(lanes, width)
+    _checked("the lane values", values, torch.int64)
     words = torch.empty(-(-values.numel() // lanes), dtype=torch.int64)
     _Library.handle.hvdcomp_pack_lanes(values.data_ptr(), values.numel(), lanes, width, words.data_ptr())
     return words
@@ -396,6 +453,7 @@ def pack_lanes(values: torch.Tensor, lanes: int, width: int) -> torch.Tensor:
 
 def unpack_lanes(words: torch.Tensor, numel: int, lanes: int, width: int) -> torch.Tensor:
     """int64 ``[numel]``: the first ``numel`` lane values of contiguous int64 ``words`` (CPU) of consecutive lanes."""
+    _lane_words(words, numel, lanes, width)
     values = torch.empty(numel, dtype=torch.int64)
     _Library.handle.hvdcomp_unpack_lanes(words.data_ptr(), numel, lanes, width, values.data_ptr())
     return values
@@ -405,6 +463,7 @@ def lane_counts_mean(words: torch.Tensor, numel: int, lanes: int, width: int, gr
                      out: torch.Tensor) -> torch.Tensor:
     """``out`` (contiguous float32 ``[numel]``, CPU) <- ``(2 c - group) / group`` of the first ``numel`` counts ``c``
     in contiguous int64 ``words`` (CPU) of consecutive lanes; returns ``out``."""
+    _lane_words(words, numel, lanes, width)
     out = _output(out, numel, torch.float32)
     _Library.handle.hvdcomp_lane_counts_mean(words.data_ptr(), numel, lanes, width, group, out.data_ptr())
     return out
@@ -412,7 +471,7 @@ def lane_counts_mean(words: torch.Tensor, numel: int, lanes: int, width: int, gr
 
 def count_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """int64 ``[numel]``: per bit, how many rows of contiguous uint8 ``[rows, bytes]`` (CPU) have it set."""
-    rows, size = packed.shape
+    rows, size = _packed_rows(packed, numel)
     counts = torch.empty(numel, dtype=torch.int64)
     _Library.handle.hvdcomp_count_bits(packed.data_ptr(), rows, size, numel, counts.data_ptr())
     return counts
@@ -421,7 +480,10 @@ def count_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 def counts_mean(word_sums: torch.Tensor, lanes: int, width: int, group: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` (contiguous float32 ``[words * lanes]``, CPU) <- ``(2 count - group) / group`` for every lane of the
     int64 blocked-order ``word_sums`` (whole lane blocks) of +1 counts; returns ``out``."""
-    word_sums = word_sums.contiguous()
+    _check_lanes(lanes, width)
+    word_sums = _checked("the word sums", word_sums.contiguous(), torch.int64)
+    if word_sums.numel() % LANE_BLOCK_WORDS:
+        raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
     out = _output(out, word_sums.numel() * lanes, torch.float32)
     lib = _Library.handle
 
