@@ -10,7 +10,7 @@ IMAGE_FLAVOUR  ?= cpu
 GPU_BASE_IMAGE ?= nvidia/cuda:13.0.2-devel-ubuntu24.04
 DOCKER_BUILD_ARGS ?=
 
-.PHONY: all install system-deps horovod test test-fast lint demo clean-venv image image-test
+.PHONY: all install system-deps horovod test test-fast lint sanitize demo clean-venv image image-test
 
 all: install
 
@@ -48,6 +48,15 @@ test-fast: install
 
 lint: install
 	.venv/bin/ruff check .
+
+# The native kernels' tests against an AddressSanitizer + UndefinedBehaviorSanitizer build of them (its own cache
+# entry); libasan (and libstdc++, whose exceptions it intercepts) are preloaded: the interpreter is not built with it.
+SANITIZE_TESTS ?= tests/test_native.py tests/test_native_bounds.py
+sanitize: install
+	HVDCOMP_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  LD_PRELOAD="$$($${CXX:-g++} -print-file-name=libasan.so) $$($${CXX:-g++} -print-file-name=libstdc++.so)" \
+	  $(PY) -m pytest -p no:cacheprovider $(SANITIZE_TESTS) $(PYTEST_ARGS)
 
 demo: install
 	$(PY) examples/demo.py

@@ -242,10 +242,10 @@ def load_checkpoint(prefix: str) -> dict[str, Any]:
     ``rank % W``'s (hvdcomp keeps the model and optimizer state and starts the per-worker codec state
     afresh, with a warning)."""
     rank = hvd.rank()
-    state = torch.load(f"{prefix}.rank0", weights_only=False) if rank == 0 else None
+    state = torch.load(f"{prefix}.rank0", weights_only=True) if rank == 0 else None
     saved_size = hvd.broadcast_object(state["world_size"] if state else None, root_rank=0, name="checkpoint.size")
     if state is None:
-        state = torch.load(f"{prefix}.rank{rank % saved_size}", weights_only=False)
+        state = torch.load(f"{prefix}.rank{rank % saved_size}", weights_only=True)
     return state
 
 

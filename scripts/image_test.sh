@@ -13,7 +13,7 @@
 #  6. In the container: `horovodrun --check-build`, examples/train.py (digits, 1 epoch, QSGD) on 2
 #     workers under Gloo and under mpirun, the hvdcomp import check, and a key login to the sshd.
 #
-# Kept between runs under $HVDCOMP_CACHE_DIR (default ~/.cache/hvdcomp): docker-base/ (the Debian
+# Kept between runs under $HVDCOMP_CACHE_DIR (default $XDG_CACHE_HOME/hvdcomp or ~/.cache/hvdcomp): docker-base/ (the Debian
 # rootfs tarball), image-wheels/ (the Horovod wheel the image built, fed to the next build) and
 # hadolint-venv/.
 #
@@ -28,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SKIPPED=77
-CACHE_DIR=${HVDCOMP_CACHE_DIR:-$HOME/.cache/hvdcomp}
+CACHE_DIR=${HVDCOMP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdcomp}
 TAG=${HVDCOMP_IMAGE_TAG:-hvdcomp:image-test}
 STORAGE=${HVDCOMP_DOCKER_STORAGE:-overlay2}
 DOCKERFILE=docker/Dockerfile
@@ -230,6 +230,18 @@ ssh_check() {
     && ssh -p $port -o BatchMode=yes 127.0.0.1 'python -c \"import hvdcomp, horovod.torch; print(\\\"  ssh login: ok\\\")\"'"
 }
 
+# Host keys: the image holds none, and two containers generate different ones at start (docker/entrypoint.sh).
+host_key_check() {
+  local show='ls /etc/ssh/ssh_host_* 2>/dev/null; ssh-keygen -lf /etc/ssh/host_keys/ssh_host_ed25519_key.pub'
+  local first second
+  first=$(in_image "$show") && second=$(in_image "$show") || return 1
+  if [ "$(wc -l <<<"$first")" != 1 ] || [ "$first" = "$second" ]; then
+    echo "containers share or bake ssh host keys: $first / $second" >&2
+    return 1
+  fi
+  echo "  ssh host keys: one per container"
+}
+
 total_start=$SECONDS
 timed "tools" install_tools
 timed "hadolint" lint
@@ -243,5 +255,6 @@ timed "train under Gloo" train_gloo
 timed "train under MPI" train_mpi
 timed "import check" import_check
 timed "ssh" ssh_check
+timed "host keys" host_key_check
 log "smoke test: $((SECONDS - smoke_start)) s"
 log "passed in $((SECONDS - total_start)) s"

@@ -7,6 +7,10 @@
 # is present, builds a wheel once, caches it (keyed by Horovod, torch, Python and flavour) and installs
 # it. Re-runs with a cached wheel take seconds; re-runs with Horovod already installed take less.
 #
+# Supply chain: the sdist must match HOROVOD_SDIST_SHA256 (pinned below); the built wheel's sha256 is recorded
+# beside it in the cache (SHA256SUMS) and checked before every install, and a cache directory that is a symlink,
+# owned by another user or writable by others is refused; a wheel that fails a check is rebuilt.
+#
 # The gpu flavour needs nvcc, NCCL and a CUDA build of torch, but no GPU: without a CUDA driver
 # (a Docker build, say) it links against the toolkit's stub libcuda when there is one, as Horovod's
 # own images do (Horovod 0.28.1 itself does not link libcuda, so a toolkit without stubs works too).
@@ -15,18 +19,42 @@
 #   PYTHON                   interpreter of the target environment (default: python3 on PATH)
 #   HVDCOMP_HOROVOD_FLAVOUR  cpu | gpu | auto (default auto: gpu only if nvcc, NCCL and a GPU exist)
 #   HOROVOD_BUILD_CUDA_CC_LIST  gpu: compute capabilities to build for, e.g. 80,90 (default: all)
-#   HVDCOMP_CACHE_DIR        wheel cache (default: ~/.cache/hvdcomp)
+#   HVDCOMP_CACHE_DIR        wheel cache (default: $XDG_CACHE_HOME/hvdcomp, else ~/.cache/hvdcomp; mode 0700)
 #   HVDCOMP_FORCE_REBUILD=1  ignore the cached wheel and any installed Horovod
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
+HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0  # PyPI's horovod-0.28.1.tar.gz
 PYTHON=${PYTHON:-python3}
 FLAVOUR=${HVDCOMP_HOROVOD_FLAVOUR:-auto}
-CACHE_DIR=${HVDCOMP_CACHE_DIR:-$HOME/.cache/hvdcomp}
+CACHE_DIR=${HVDCOMP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdcomp}  # as hvdcomp.codec.cache.cache_dir()
 FORCE=${HVDCOMP_FORCE_REBUILD:-0}
 
 die() { echo "install_horovod: error: $*" >&2; exit 1; }
 log() { echo "install_horovod: $*" >&2; }
+
+# Succeeds if directory $1 is no symlink, is owned by this user and is not group- or world-writable.
+private_dir() {
+  [ -d "$1" ] && [ ! -L "$1" ] && [ "$(stat -c %u "$1")" = "$(id -u)" ] &&
+    [ $((0$(stat -c %a "$1") & 022)) = 0 ]
+}
+
+# Succeeds if wheel directory $1 is private and holds exactly one wheel whose sha256 its SHA256SUMS records.
+verify_wheel() {
+  local dir=$1 wheels
+  private_dir "$dir" && [ -f "$dir/SHA256SUMS" ] && [ ! -L "$dir/SHA256SUMS" ] || return 1
+  wheels=("$dir"/horovod-*.whl)
+  [ "${#wheels[@]}" = 1 ] && [ -f "${wheels[0]}" ] && [ ! -L "${wheels[0]}" ] || return 1
+  [ "$(awk 'END { print NR }' "$dir/SHA256SUMS")" = 1 ] || return 1
+  (cd "$dir" && sha256sum --check --strict --quiet SHA256SUMS >/dev/null 2>&1) &&
+    grep -q " \*\?$(basename "${wheels[0]}")\$" "$dir/SHA256SUMS"
+}
+
+# Succeeds if file $1's sha256 is $2.
+sha256_is() { [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
+
+# Sourced (tests/test_supply_chain.py): the functions above only.
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0
 
 command -v "$PYTHON" >/dev/null || die "python interpreter '$PYTHON' not found (set PYTHON=...)"
 "$PYTHON" -c "import torch" 2>/dev/null ||
@@ -102,6 +130,10 @@ WANT_VERSION=$HOROVOD_VERSION
 
 KEY="horovod-${WANT_VERSION}-torch${TORCH_VERSION}-${PY_TAG}-${FLAVOUR}"
 WHEEL_DIR="$CACHE_DIR/wheels/$KEY"
+mkdir -p -m 700 "$CACHE_DIR" && mkdir -p -m 700 "$CACHE_DIR/wheels"
+for dir in "$CACHE_DIR" "$CACHE_DIR/wheels"; do
+  private_dir "$dir" || die "$dir must be a directory owned by $(id -un) and writable by no one else (not a symlink)"
+done
 
 installed_ok() {
   "$PYTHON" - "$HOROVOD_VERSION" "$WANT_VERSION" "$FLAVOUR" <<'PY' 2>/dev/null
@@ -123,12 +155,17 @@ if [ "$FORCE" != 1 ] && installed_ok; then
   exit 0
 fi
 
-if [ "$FORCE" = 1 ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+if [ "$FORCE" != 1 ] && [ -e "$WHEEL_DIR" ] && ! verify_wheel "$WHEEL_DIR"; then
+  log "the cached wheel in $WHEEL_DIR fails its check (SHA256SUMS, owner, mode): rebuilding it"
+fi
+if [ "$FORCE" = 1 ] || ! verify_wheel "$WHEEL_DIR"; then
   log "building $KEY (a few minutes)"
   work=$tmp/build
   mkdir "$work"
   "$PYTHON" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work" ||
     die "could not download the horovod $HOROVOD_VERSION sdist from PyPI"
+  sha256_is "$work/horovod-$HOROVOD_VERSION.tar.gz" "$HOROVOD_SDIST_SHA256" ||
+    die "the downloaded horovod-$HOROVOD_VERSION.tar.gz does not match its pinned sha256 $HOROVOD_SDIST_SHA256"
   tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
   src="$work/horovod-$HOROVOD_VERSION"
 
@@ -173,8 +210,10 @@ if [ "$FORCE" = 1 ] || ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   mkdir -p "$work/dist"
   "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" "$src" ||
     die "building the Horovod wheel failed (see the compiler output above)"
-  rm -rf "$WHEEL_DIR" && mkdir -p "$WHEEL_DIR"
+  rm -rf "$WHEEL_DIR" && mkdir -m 700 "$WHEEL_DIR"
   cp "$work"/dist/horovod-*.whl "$WHEEL_DIR/"
+  (cd "$WHEEL_DIR" && sha256sum horovod-*.whl >SHA256SUMS)
+  verify_wheel "$WHEEL_DIR" || die "the wheel just built in $WHEEL_DIR fails its check"
 fi
 
 log "installing $(basename "$WHEEL_DIR"/horovod-*.whl) from the cache"

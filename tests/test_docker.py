@@ -39,3 +39,32 @@ def test_gpu_flavour_names_what_is_missing_and_needs_no_gpu():
     assert error.startswith("install_horovod: error: GPU build asked for but missing: "), done.stderr
     listed = [item.split(" (")[0] for item in error.split("missing: ", 1)[1].split(";")]
     assert listed == missing, (listed, missing)  # a GPU or nvidia-smi is not among the requirements
+
+
+def test_the_image_bakes_no_ssh_host_keys_and_clients_check_them():
+    dockerfile = (ROOT / "docker/Dockerfile").read_text()
+    assert "rm -f /etc/ssh/ssh_host_*" in dockerfile  # the keys openssh-server's install generated
+    after_removal = dockerfile.split("rm -f /etc/ssh/ssh_host_*")[1]
+    assert "ssh-keygen -A" not in dockerfile and "/etc/ssh/ssh_host_" not in after_removal
+    assert "StrictHostKeyChecking no" not in dockerfile and "UserKnownHostsFile /dev/null" not in dockerfile
+    assert "StrictHostKeyChecking accept-new" in dockerfile
+    key = "/etc/ssh/host_keys/ssh_host_ed25519_key"  # sshd's HostKey, which the entrypoint generates
+    assert "HostKey %s" in dockerfile and f"{key} > /etc/ssh/sshd_config.d/hvdcomp.conf" in dockerfile
+    assert f"HVDCOMP_SSH_HOST_KEY:-{key}" in (ROOT / "docker/entrypoint.sh").read_text()
+    assert 'ENTRYPOINT ["/usr/local/bin/hvdcomp-entrypoint"]' in dockerfile
+    assert "COPY docker/entrypoint.sh /usr/local/bin/hvdcomp-entrypoint" in dockerfile
+
+
+def _entrypoint(key: Path) -> str:
+    done = subprocess.run([str(ROOT / "docker/entrypoint.sh"), "cat", f"{key}.pub"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "HVDCOMP_SSH_HOST_KEY": str(key)})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_each_container_generates_its_own_host_key_at_start(tmp_path):
+    first, second = tmp_path / "a" / "key", tmp_path / "b" / "key"
+    key = _entrypoint(first)
+    assert key.startswith("ssh-ed25519 ") and key != _entrypoint(second)
+    assert _entrypoint(first) == key  # kept across restarts where its directory is a volume
+    assert (first.parent.stat().st_mode & 0o777) == 0o700 and (first.stat().st_mode & 0o077) == 0

@@ -242,7 +242,7 @@ def _resume_worker(name, path, phase):
         _, _, optimizer, model = _train(_ours(name), k)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{path}.{hvd.rank()}")
         return unbroken
-    state = torch.load(f"{path}.{hvd.rank()}", weights_only=False)
+    state = torch.load(f"{path}.{hvd.rank()}", weights_only=True)
     return _train(_ours(name), k, state=state, first_step=k)[1]
 
 

@@ -195,7 +195,7 @@ def _resume_elsewhere_worker(path, saved_size, first_step):
     import horovod.torch as hvd
 
     model, optimizer, birder_model, birder = _optimizers()
-    state = torch.load(f"{path}.rank{hvd.rank() % saved_size}", weights_only=False)  # any worker's checkpoint
+    state = torch.load(f"{path}.rank{hvd.rank() % saved_size}", weights_only=True)  # any worker's checkpoint
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.load_state_dict(state["model"])

@@ -26,10 +26,14 @@ class AgreedScales:
         self._excess: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
         self._work: dict[Hashable, torch.Tensor] = {}  # values + excess, reused every step
 
-    def scales(self, key: Hashable, numel: int, world_size: int) -> torch.Tensor | None:
-        """The stats agreed for ``key``'s exchange of ``numel`` elements over ``world_size`` workers, or None."""
+    def scales(self, key: Hashable, numel: int, world_size: int, groups: int) -> torch.Tensor | None:
+        """The stats agreed for ``key``'s exchange of ``numel`` elements over ``world_size`` workers in ``groups``
+        scale groups, or None (also where the agreed stats do not have ``groups + 1`` values: e.g. state saved
+        with another ``chunk_size``)."""
         agreed = self._scales.get(key)
-        return agreed[2] if agreed is not None and agreed[:2] == (numel, world_size) else None
+        if agreed is None or agreed[:2] != (numel, world_size) or agreed[2].shape != (groups + 1,):
+            return None
+        return agreed[2]
 
     def with_excess(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` plus the excess clipped from ``key``'s earlier exchanges (``flat`` itself when there is

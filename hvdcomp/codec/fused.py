@@ -7,7 +7,8 @@ share one compiled graph; calls with a tensor of 0 or 1 elements (sizes torch wo
 eagerly.
 Tensors passed through ``static(t)`` (e.g. the lane shifts of a word layout) keep their sizes in the
 graph: one graph per lane count, which lets Inductor unroll the packing. Inductor caches compiled code
-on disk (``TORCHINDUCTOR_CACHE_DIR``, default under ``/tmp``), so later processes skip the C++ compile.
+on disk, so later processes skip the C++ compile: ``TORCHINDUCTOR_CACHE_DIR``, which the first compile sets, where
+unset, to ``inductor/`` in hvdcomp's private cache (``hvdcomp.codec.cache``; Inductor loads the code it finds there).
 A kernel compiles for ``torch.get_num_threads()`` at its first call (Inductor's ``cpp.threads``, part of
 that cache's key), so a process never reuses a kernel cached for fewer threads than it has
 (docs/benchmarks.md#kernel-level-measurements).
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from . import random
+from .cache import use_private_inductor_cache
 
 ENV_SWITCH = "HVDCOMP_FUSED"
 _RECOMPILE_LIMIT = 64  # one graph per lane count (at most 63) and input kind
@@ -104,6 +106,7 @@ class FusedKernel:
         if not enabled() or any(isinstance(a, torch.Tensor) and a.dim() and a.numel() < 2 for a in args):
             return self.eager_fn(*args)
         if self._compiled is None:
+            use_private_inductor_cache()
             _choose_cpu_lanes()
             self._compiled = torch.compile(self.eager_fn, dynamic=True, fullgraph=self.in_place,
                                            options={"cpp.threads": torch.get_num_threads()})

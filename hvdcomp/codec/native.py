@@ -5,35 +5,47 @@ and Birder's moments update and draw (into lane words or bools), its mean from +
 and bit packing, unpacking and counting for the two-stage and hierarchical routes, each run as one pass over
 the bucket, a few thousand values at a time through stack buffers, with QSGD's per-element scale factor read from
 per-group factors (no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
-(``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``). On an AVX2-only CPU, where
-Inductor has no vector 32 x 32 -> 64-bit multiply (Philox's products took 5 multiplications of 16-bit halves),
-``benchmarks/codec_costs.py --workers 8`` gave QSGD 2 / 4 / 8 4.9 to 8.0 ns per element all in with
-``torch.compile``'s kernels and 2.1 to 2.3 with these.
+(``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
+
+**Sizes.** Every wrapper below checks the device, dtype, contiguity and size of each tensor it hands the kernels
+(O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; the kernels read and write only within
+the sizes they are given.
 
 **Build.** At first use, the C++ compiler Inductor would use (``CXX``, else ``g++``, else ``c++``) builds the
 file with ``-O3 -march=native -ffp-contract=off`` (no fused multiply-add: the same float32 roundings as
-eager) into ``native/`` under ``HVDCOMP_CACHE_DIR`` (the cache ``scripts/install_horovod.sh`` keeps its Horovod
-wheels in; default here ``<tmp>/hvdcomp_<user>``, as Inductor's), under a name keyed by the source, the
-compiler, the flags and this CPU's features, so a cache shared by several machines never hands one a library
-built for another's instructions. The build takes about a second; concurrent workers each build to a
-temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
+eager) into ``native/`` under ``cache_dir()`` (``HVDCOMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/hvdcomp``, else
+``~/.cache/hvdcomp``: the cache ``scripts/install_horovod.sh`` keeps its Horovod wheels in), under a name keyed
+by the source, the compiler, the flags and this CPU's features, so a cache shared by several machines never hands
+one a library built for another's instructions. The build runs at first use, not at install time, because the
+key includes the CPU that runs it (an image or a shared venv is built on another machine). Concurrent workers each
+build to a temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
 any fused kernel (``hvdcomp.codec.fused.fail``: one warning, eager from then on).
+
+**Trust.** A loaded library runs as this process, so only files this user alone controls are loaded: the cache
+directory and its ``native/`` are created with mode 0700, and each of them and the library file must be no symlink,
+owned by this user and not group- or world-writable. The file is opened without following links, checked through
+that descriptor and loaded through ``/proc/self/fd`` (what was checked is what is loaded). If the cache fails a
+check, one ``RuntimeWarning`` says why and the kernels are built into a fresh private temporary directory instead
+(removed once loaded).
 
 **When.** On CPU tensors, while fused kernels are enabled (``HVDCOMP_FUSED``, ``fused.eager()``), unless
 ``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over
-``torch.get_num_threads()`` threads in whole lane blocks (ctypes releases the GIL during the calls).
+``torch.get_num_threads()`` threads in whole lane blocks (ctypes releases the GIL during the calls) on a pool
+that a forked child replaces with its own.
 """
 
 from __future__ import annotations
 
 import ctypes
-import getpass
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,13 +54,16 @@ from typing import Callable
 import torch
 
 from . import fused
+from .cache import CACHE_ENV as CACHE_ENV
+from .cache import UnsafeCache, cache_dir, check_private, private_dir
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
 from .random import OUTPUTS_PER_BLOCK
 
 ENV_SWITCH = "HVDCOMP_NATIVE"
-CACHE_ENV = "HVDCOMP_CACHE_DIR"
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
+SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
 MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
@@ -58,6 +73,15 @@ class _Library:
     tried = False
     pool: ThreadPoolExecutor | None = None
     pool_threads = 0
+    lock = threading.Lock()  # guards the lazy load and the pool
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the pool without its threads: forget it (and the lock, which may be held)."""
+    _Library.pool, _Library.pool_threads, _Library.lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def compiler() -> str:
@@ -75,17 +99,21 @@ def _cpu_features() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def flags() -> tuple[str, ...]:
+    """``FLAGS``, plus the sanitizers' when ``HVDCOMP_NATIVE_SANITIZE=1`` (``make sanitize``)."""
+    return FLAGS + (SANITIZE_FLAGS if os.environ.get(SANITIZE_ENV) == "1" else ())
+
+
 def library_path(cxx: str) -> Path:
-    """Where the library built by ``cxx`` for this CPU lives (built or not)."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(),
+    """Where the library built by ``cxx`` for this CPU lives in ``cache_dir()`` (built or not)."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(flags()).encode(),
                                      _cpu_features().encode()])).hexdigest()[:24]
-    cache = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / f"hvdcomp_{getpass.getuser()}")
-    return cache / "native" / f"native_kernels_{key}.so"
+    return cache_dir() / "native" / f"native_kernels_{key}.so"
 
 
 def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile ``SOURCE`` into ``target`` atomically (a temporary name, then a rename)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
@@ -93,18 +121,43 @@ def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.chmod(temporary, 0o700)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
 
 
+def open_checked(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (``declare``d), opened without following a link, checked (``check_private``) through
+    its descriptor and loaded through that descriptor, so the file checked is the file loaded."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCache(f"{path} is not a regular file")
+        check_private(path, st)
+        return declare(ctypes.CDLL(f"/proc/self/fd/{fd}"))
+    finally:
+        os.close(fd)
+
+
 def _load() -> ctypes.CDLL:
-    cxx = compiler()
+    cxx, options = compiler(), flags()
     path = library_path(cxx)
-    if not path.exists():
-        build(cxx, path)
-    return declare(ctypes.CDLL(str(path)))
+    try:
+        private_dir(path.parent.parent)
+        private_dir(path.parent)
+        if not os.path.lexists(path):
+            build(cxx, path, options)
+        return open_checked(path)
+    except OSError as refusal:  # UnsafeCache, or a symlink that O_NOFOLLOW refused (ELOOP)
+        warnings.warn(f"hvdcomp: not loading the native kernels from {path.parent} ({refusal}); building them in a "
+                      f"fresh private directory", RuntimeWarning, stacklevel=4)
+    with tempfile.TemporaryDirectory(prefix="hvdcomp-native-") as fresh:  # mkdtemp: mode 0700, this user's
+        path = Path(fresh) / path.name
+        build(cxx, path, options)
+        return open_checked(path)
 
 
 _SIGNATURES = {  # each kernel's argument types (all return nothing)
@@ -136,12 +189,13 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built at the first call; None if building or loading failed (``fused.fail`` warned)."""
-    if not _Library.tried:
-        _Library.tried = True
-        try:
-            _Library.handle = _load()
-        except Exception as error:  # noqa: BLE001 (no compiler, a failed build, an unloadable file)
-            fused.fail(error, stacklevel=4)
+    with _Library.lock:
+        if not _Library.tried:
+            _Library.tried = True
+            try:
+                _Library.handle = _load()
+            except Exception as error:  # noqa: BLE001 (no compiler, a failed build, an unloadable file)
+                fused.fail(error, stacklevel=4)
     return _Library.handle
 
 
@@ -158,20 +212,50 @@ def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int)
     if threads == 1:
         run(0, values)
         return
-    if _Library.pool is None or _Library.pool_threads < threads - 1:
-        _Library.pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="hvdcomp-native")
-        _Library.pool_threads = threads - 1
-    blocks = values // per_block
-    bounds = [blocks * t // threads * per_block for t in range(threads + 1)]
-    pending = [_Library.pool.submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    with _Library.lock:
+        if _Library.pool is None or _Library.pool_threads < threads - 1:
+            if _Library.pool is not None:  # a smaller pool: its threads end once their work is done
+                _Library.pool.shutdown(wait=False)
+            _Library.pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="hvdcomp-native")
+            _Library.pool_threads = threads - 1
+        blocks = values // per_block
+        bounds = [blocks * t // threads * per_block for t in range(threads + 1)]
+        pending = [_Library.pool.submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
     run(bounds[0], bounds[1])
     for future in pending:
         future.result()
 
 
-def _groups(groups: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU."""
-    return groups.cumsum(0).contiguous(), factors.float().contiguous()
+def _checked(name: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+    """``tensor``, checked to be a contiguous CPU tensor of ``dtype`` (of ``numel`` elements if given)."""
+    if not (tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous()):
+        raise ValueError(f"the kernels take {name} as a contiguous {dtype} CPU tensor, not {tensor.dtype} on "
+                         f"{tensor.device} (contiguous: {tensor.is_contiguous()})")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"the kernels take {name} of {numel} elements, not {tensor.numel()}")
+    return tensor
+
+
+def _stream(rng: torch.Tensor) -> torch.Tensor:
+    """The rounding stream's words as contiguous int64 ``[4]`` on the CPU (``random.stream_words``), checked."""
+    return _checked("the stream words", rng.to(torch.int64).contiguous(), torch.int64, 4)
+
+
+def _check_lanes(lanes: int, width: int) -> None:
+    if not (lanes >= 1 and width >= 1 and lanes * width <= 64):
+        raise ValueError(f"{lanes} lanes of {width} bits do not fit a 64-bit word")
+
+
+def _groups(groups: torch.Tensor, factors: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU, checked: one factor per
+    group, the groups splitting ``numel`` values."""
+    ends = groups.to("cpu", torch.int64).cumsum(0).contiguous()
+    factors = factors.to("cpu", torch.float32).contiguous()
+    if factors.shape != ends.shape or groups.dim() != 1:
+        raise ValueError(f"{factors.numel()} scale factors for {groups.numel()} scale groups")
+    if ends.numel() and (int(ends[-1]) != numel or bool((groups < 0).any())):
+        raise ValueError(f"scale groups of {int(ends[-1])} elements do not split {numel}")
+    return ends, factors
 
 
 def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -180,7 +264,7 @@ def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
     skip = first % OUTPUTS_PER_BLOCK
     blocks = -(-(skip + numel) // OUTPUTS_PER_BLOCK)
     draws = torch.empty(blocks * OUTPUTS_PER_BLOCK, dtype=torch.float32)
-    words = rng.to(torch.int64).contiguous()  # alive through the call
+    words = _stream(rng)  # alive through the call
     _Library.handle.hvdcomp_uniform(words.data_ptr(), first - skip, draws.numel(), draws.data_ptr())
     return draws[skip:skip + numel]
 
@@ -200,9 +284,10 @@ def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse:
     """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given): ``quantize``'s encode words of flat float32
     ``x`` (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream
     words."""
-    ends, factors = _groups(groups, factors)
-    rng = rng.to(torch.int64).contiguous()
-    numel = x.numel()
+    _check_lanes(lanes, width)
+    numel = _checked("x", x, torch.float32).numel()
+    ends, factors = _groups(groups, factors, numel)
+    rng = _stream(rng)
     out = _output(out, lane_block_words(numel, lanes), torch.int64)
     lib = _Library.handle
 
@@ -219,10 +304,13 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     """float32 ``[words * lanes]`` (into ``means`` if given: contiguous, that size): ``(lane - offset) * factors[g]``
     per value of the int64 blocked-order ``word_sums`` (whole lane blocks), 0 past the groups; ``factors[g]`` =
     ``M / (s W)`` of group ``g``."""
-    ends, factors = _groups(groups, factors)
+    _check_lanes(lanes, width)
+    word_sums = _checked("the word sums", word_sums.contiguous(), torch.int64)
     if word_sums.numel() % LANE_BLOCK_WORDS:
         raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
-    word_sums = word_sums.contiguous()
+    ends, factors = _groups(groups, factors, int(groups.sum()) if groups.numel() else 0)
+    if ends.numel() and int(ends[-1]) > word_sums.numel() * lanes:
+        raise ValueError(f"scale groups of {int(ends[-1])} elements exceed {word_sums.numel()} words")
     means = _output(means, word_sums.numel() * lanes, torch.float32)
     lib = _Library.handle
 
@@ -234,17 +322,20 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     return means
 
 
-def _moment_args(m: torch.Tensor, grad: torch.Tensor | None,
+def _moment_args(m: torch.Tensor, b: torch.Tensor, grad: torch.Tensor | None,
                  runs: Sequence[tuple[int, int, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient (``m`` itself where there are no runs: not read), the run bounds (int64 ``[2 R]``) and their
-    ``beta, 1 - beta`` (float32 ``[2 R]``) for the kernels that update Birder's moments, checked."""
-    numel = m.numel()
+    ``beta, 1 - beta`` (float32 ``[2 R]``) for the kernels that update Birder's moments, checked (``b`` too)."""
+    numel = _checked("m", m, torch.float32).numel()
+    _checked("b", b, torch.float32, numel)
     edges = [edge for lo, hi, _ in runs for edge in (lo, hi)]
     if edges != sorted(edges) or (edges and (edges[0] < 0 or edges[-1] > numel)):
         raise ValueError(f"moment runs must be ascending, disjoint spans of [0, {numel}), got {list(runs)}")
     if runs and (grad is None or grad.shape != m.shape):
         shape = None if grad is None else tuple(grad.shape)
         raise ValueError(f"updating the moments needs a gradient of {numel} elements, got {shape}")
+    if runs:
+        _checked("the gradient", grad, torch.float32, numel)
     bounds = torch.tensor(edges, dtype=torch.int64)
     betas = torch.tensor([value for _, _, beta in runs for value in (beta, 1.0 - beta)], dtype=torch.float32)
     return (grad if runs else m), bounds, betas
@@ -266,9 +357,10 @@ def draw_bit_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, lanes: i
     ``first``, the draw's first uniform, a multiple of 8), after updating the moments over ``runs`` (ascending,
     disjoint ``[lo, hi)`` spans of ``[0, n)`` with their beta) from ``grad`` (``usable``), in the same pass."""
     _check_first(first)
-    rng = rng.to(torch.int64).contiguous()
+    _check_lanes(lanes, width)
+    rng = _stream(rng)
     numel = m.numel()
-    grad, bounds, betas = _moment_args(m, grad, runs)
+    grad, bounds, betas = _moment_args(m, b, grad, runs)
     out = torch.empty(lane_block_words(numel, lanes), dtype=torch.int64)
     lib = _Library.handle
 
@@ -286,8 +378,8 @@ def draw_bools(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.T
     uniforms ``0 .. n - 1`` of ``rng``, after updating the moments over ``runs`` (as ``draw_bit_words``)."""
     numel = m.numel()
     out = _output(out, numel, torch.bool)
-    rng = rng.to(torch.int64).contiguous()
-    grad, bounds, betas = _moment_args(m, grad, runs)
+    rng = _stream(rng)
+    grad, bounds, betas = _moment_args(m, b, grad, runs)
     lib = _Library.handle
 
     def run(lo: int, hi: int) -> None:
@@ -301,7 +393,10 @@ def draw_bools(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.T
 def binarize_counts(counts: torch.Tensor, group: int, length: int, rng: torch.Tensor, first: int) -> torch.Tensor:
     """bool ``[length]``: ``onebit.binarize_counts`` of contiguous int64 ``counts`` (CPU; ``first`` a multiple of 8)."""
     _check_first(first)
-    rng = rng.to(torch.int64).contiguous()
+    _checked("the counts", counts, torch.int64)
+    if counts.numel() > length:
+        raise ValueError(f"{counts.numel()} counts do not fit {length} bits")
+    rng = _stream(rng)
     out = torch.empty(length, dtype=torch.bool)
     lib = _Library.handle
 
@@ -315,7 +410,7 @@ def binarize_counts(counts: torch.Tensor, group: int, length: int, rng: torch.Te
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """uint8 ``[rows, ceil(n / 8)]``: ``packing.bits_to_bytes`` of contiguous bool ``[rows, n]`` (CPU)."""
-    rows, numel = bits.shape
+    rows, numel = _checked("the bits", bits, torch.bool).shape
     out = torch.empty(rows, -(-numel // 8), dtype=torch.uint8)
     _Library.handle.hvdcomp_pack_bits(bits.data_ptr(), rows, numel, out.data_ptr())
     return out
@@ -323,15 +418,34 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """bool ``[rows, numel]``: ``packing.bytes_to_bits`` of contiguous uint8 ``[rows, bytes]`` (CPU)."""
-    rows, size = packed.shape
+    rows, size = _packed_rows(packed, numel)
     out = torch.empty(rows, numel, dtype=torch.bool)
     _Library.handle.hvdcomp_unpack_bits(packed.data_ptr(), rows, size, numel, out.data_ptr())
     return out
 
 
+def _packed_rows(packed: torch.Tensor, numel: int) -> tuple[int, int]:
+    """(rows, bytes) of contiguous uint8 ``[rows, bytes]`` ``packed`` (CPU), checked to hold ``numel`` bits a row."""
+    rows, size = _checked("the packed bits", packed, torch.uint8).shape
+    if not 0 <= numel <= size * 8:
+        raise ValueError(f"rows of {size} bytes do not hold {numel} bits")
+    return rows, size
+
+
+def _lane_words(words: torch.Tensor, numel: int, lanes: int, width: int) -> torch.Tensor:
+    """Contiguous int64 ``words`` (CPU), checked to hold ``numel`` values of ``lanes`` consecutive lanes."""
+    _check_lanes(lanes, width)
+    _checked("the lane words", words, torch.int64)
+    if not 0 <= numel <= words.numel() * lanes:
+        raise ValueError(f"{words.numel()} words of {lanes} lanes do not hold {numel} values")
+    return words
+
+
 def pack_lanes(values: torch.Tensor, lanes: int, width: int) -> torch.Tensor:
     """int64 ``[ceil(n / lanes)]``: contiguous int64 ``values`` ``[n]`` (CPU; in ``[0, 2**width)``) in consecutive
     lanes (``packing.LaneLayout.pack`` without an offset)."""
+    _check_lanes(lanes, width)
+    _checked("the lane values", values, torch.int64)
     words = torch.empty(-(-values.numel() // lanes), dtype=torch.int64)
     _Library.handle.hvdcomp_pack_lanes(values.data_ptr(), values.numel(), lanes, width, words.data_ptr())
     return words
@@ -339,6 +453,7 @@ def pack_lanes(values: torch.Tensor, lanes: int, width: int) -> torch.Tensor:
 
 def unpack_lanes(words: torch.Tensor, numel: int, lanes: int, width: int) -> torch.Tensor:
     """int64 ``[numel]``: the first ``numel`` lane values of contiguous int64 ``words`` (CPU) of consecutive lanes."""
+    _lane_words(words, numel, lanes, width)
     values = torch.empty(numel, dtype=torch.int64)
     _Library.handle.hvdcomp_unpack_lanes(words.data_ptr(), numel, lanes, width, values.data_ptr())
     return values
@@ -348,6 +463,7 @@ def lane_counts_mean(words: torch.Tensor, numel: int, lanes: int, width: int, gr
                      out: torch.Tensor) -> torch.Tensor:
     """``out`` (contiguous float32 ``[numel]``, CPU) <- ``(2 c - group) / group`` of the first ``numel`` counts ``c``
     in contiguous int64 ``words`` (CPU) of consecutive lanes; returns ``out``."""
+    _lane_words(words, numel, lanes, width)
     out = _output(out, numel, torch.float32)
     _Library.handle.hvdcomp_lane_counts_mean(words.data_ptr(), numel, lanes, width, group, out.data_ptr())
     return out
@@ -355,7 +471,7 @@ def lane_counts_mean(words: torch.Tensor, numel: int, lanes: int, width: int, gr
 
 def count_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """int64 ``[numel]``: per bit, how many rows of contiguous uint8 ``[rows, bytes]`` (CPU) have it set."""
-    rows, size = packed.shape
+    rows, size = _packed_rows(packed, numel)
     counts = torch.empty(numel, dtype=torch.int64)
     _Library.handle.hvdcomp_count_bits(packed.data_ptr(), rows, size, numel, counts.data_ptr())
     return counts
@@ -364,7 +480,10 @@ def count_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 def counts_mean(word_sums: torch.Tensor, lanes: int, width: int, group: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` (contiguous float32 ``[words * lanes]``, CPU) <- ``(2 count - group) / group`` for every lane of the
     int64 blocked-order ``word_sums`` (whole lane blocks) of +1 counts; returns ``out``."""
-    word_sums = word_sums.contiguous()
+    _check_lanes(lanes, width)
+    word_sums = _checked("the word sums", word_sums.contiguous(), torch.int64)
+    if word_sums.numel() % LANE_BLOCK_WORDS:
+        raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
     out = _output(out, word_sums.numel() * lanes, torch.float32)
     lib = _Library.handle
 

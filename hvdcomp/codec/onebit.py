@@ -162,12 +162,20 @@ def draw_bits(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, out: torch.Te
     with probability ``(1 + z) / 2`` for ``z = m / b`` (``E[u] = z``; 1/2 where ``b == 0``), from uniforms
     ``0 .. n - 1`` of the stream ``rng``, after ``update_moment_runs(m, b, grad, runs)``, in one fused pass (the
     moments in the same pass on the CPU); returns ``out``."""
+    _check_moments(m, b, out)
     if (native.usable(m) and native.usable(b) and native.usable(out, torch.bool)
             and (not runs or grad is None or native.usable(grad))):
         return native.draw_bools(m, b, rng, out, grad, runs)
     update_moment_runs(m, b, grad, runs)
     _draw_bits(m, b, rng, out)
     return out
+
+
+def _check_moments(m: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` unless ``b`` (and ``out``) have the shape of ``m``."""
+    if b.shape != m.shape or (out is not None and out.shape != m.shape):
+        shapes = [tuple(t.shape) for t in (m, b, out) if t is not None]
+        raise ValueError(f"the moments m, b (and the draw's out) must have one shape, got {shapes}")
 
 
 def pack_bit_rows(bits: torch.Tensor) -> torch.Tensor:
@@ -218,6 +226,7 @@ def draw_lane_words(m: torch.Tensor, b: torch.Tensor, rng: torch.Tensor, layout:
     blocks in one fused pass (no bit or probability buffer; the moments in the same pass on the CPU), the last,
     partial one apart."""
     _check_bit_layout(layout, "draw_lane_words")
+    _check_moments(m, b)
     if (native.usable(m) and native.usable(b) and first % OUTPUTS_PER_BLOCK == 0
             and (not runs or grad is None or native.usable(grad))):
         return native.draw_bit_words(m, b, rng, layout.lanes_per_word, layout.lane_width, first, grad, runs)

@@ -79,7 +79,7 @@ class ScaleAhead:
 
     def ready(self, key: Hashable, numel: int, world_size: int) -> bool:
         """Whether ``key`` has a scale agreed for an exchange of ``numel`` elements over ``world_size`` workers."""
-        return self.memory.scales(key, numel, world_size) is not None
+        return self.memory.scales(key, numel, world_size, self.quantizer.scale_groups(numel).numel()) is not None
 
     def with_excess(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` plus the excess clipped from ``key``'s earlier steps (``AgreedScales.with_excess``)."""
@@ -97,8 +97,8 @@ class ScaleAhead:
         scale, and the exchange's context. The carrier is a buffer of ``key`` reused every step."""
         quantizer = self.quantizer
         numel = values.numel()
-        stats = self.memory.scales(key, numel, world_size)
         groups = quantizer.scale_groups(numel)
+        stats = self.memory.scales(key, numel, world_size, groups.numel())
         local = quantizer.local_stats(values, groups)
         finite = not quantizer.saw_nonfinite(local)
         if not finite:
