@@ -1,13 +1,20 @@
-"""examples/train.py under real workers: every scheme logs sane JSON, and a resumed run matches an unbroken one."""
+"""examples/train.py under real workers: every scheme logs sane JSON, and a resumed run matches an unbroken one;
+Horovod's own optimizer (``--wrapper horovod``) with an hvdcomp compressor learns, keeps replicas identical and
+resumes exactly."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.harness import run_script
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+sys.path.insert(0, str(TRAIN.parent))
+import train  # noqa: E402
+
 QUICK = ["--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "32", "--no-progress"]
 
 # scheme flags -> (lowest, highest) compression ratio expected at W = 2 on the small digits model
@@ -76,3 +83,76 @@ def test_warmup_steps_then_compressed(tmp_path):
                                                 str(tmp_path), "--run-name", "run"])
     _, (first, second) = _read(tmp_path / "run.jsonl")
     assert first["compression_ratio"] == 1.0 and 2.5 <= second["compression_ratio"] <= 3.0, (first, second)
+
+
+def _model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, weights_only=True)["model"]
+
+
+@pytest.mark.slow
+def test_stock_door_learns_keeps_replicas_identical_and_resumes(tmp_path):
+    """hvd.DistributedOptimizer(compression=QSGDMaxNorm(4)) on 2 workers: loss falls, both workers end with the
+    same model, the compressor's statistics show compression, and a run resumed from its checkpoint (the
+    compressor's state included) matches an unbroken one exactly."""
+    common = [*QUICK, "--epochs", "3", "--wrapper", "horovod", "--scheme", "qsgd", "--bits", "4",
+              "--min-compress-numel", "0", "--log-dir", str(tmp_path)]
+    run_script(TRAIN, np=2, timeout=180, args=[*common, "--run-name", "unbroken", "--checkpoint",
+                                                str(tmp_path / "unbroken")])
+    broken = str(tmp_path / "broken")
+    run_script(TRAIN, np=2, timeout=180, args=[*common, "--run-name", "broken", "--checkpoint", broken,
+                                                "--stop-after-epoch", "1"])
+    run_script(TRAIN, np=2, timeout=180, args=[*common, "--run-name", "broken", "--resume", broken,
+                                                "--checkpoint", broken])
+    config, unbroken = _read(tmp_path / "unbroken.jsonl")
+    assert config["door"] == "hvd.DistributedOptimizer" and config["wrapper"] == "horovod"
+    assert config["bytes_source"] == "statistics" and config["machine"]["hvdcomp"] and config["machine"]["cpu"]
+    assert unbroken[-1]["train_loss"] < unbroken[0]["train_loss"] and unbroken[-1]["test_loss"] < 2.2
+    for record in unbroken:
+        assert 3.0 <= record["compression_ratio"] <= 8.0, record["compression_ratio"]
+        assert record["communicate_s"] > 0 and record["compress_s"] is None
+    models = [_model(tmp_path / f"unbroken.rank{rank}") for rank in (0, 1)]
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+    _, resumed = _read(tmp_path / "broken.jsonl")
+    assert [r["epoch"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(unbroken, resumed):
+        for key in ("train_loss", "test_loss", "top1", "top5", "inter_node_bytes"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    resumed_model = _model(tmp_path / "broken.rank1")
+    assert all(torch.equal(models[0][k], resumed_model[k]) for k in models[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme, width", [("none", 4), ("fp16", 2)])
+def test_stock_door_counts_horovods_compression_as_hvdcomp_does(tmp_path, scheme, width):
+    """hvd.Compression.none/fp16 keep no statistics: the log counts one sum of every gradient a step, at 4 or 2
+    bytes an element, as hvdcomp's NoCompression/FP16 count it, and says so."""
+    run_script(TRAIN, np=2, timeout=180, args=[*QUICK, "--wrapper", "horovod", "--scheme", scheme, "--log-dir",
+                                                str(tmp_path), "--run-name", "run"])
+    config, epochs = _read(tmp_path / "run.jsonl")
+    assert config["bytes_source"].startswith("computed")
+    for record in epochs:
+        assert record["uncompressed_bytes"] == config["parameters"] * 4 * config["steps_per_epoch"]
+        assert record["inter_node_bytes"] == config["parameters"] * width * config["steps_per_epoch"]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheme", "powersgd"], "--scheme powersgd needs --wrapper hvdcomp"),
+    (["--scheme", "birder"], "--scheme birder needs --wrapper hvdcomp"),
+    (["--engine", "ddp"], "--wrapper horovod is for --engine horovod"),
+    (["--scheme", "qsgd", "--bucket-mb", "8"], "does not take --bucket-mb"),
+    (["--scheme", "qsgd", "--hierarchical"], "does not take --hierarchical"),
+    (["--scheme", "fp16", "--error-feedback"], "does not take --error-feedback"),
+    (["--scheme", "qsgd", "--elastic"], "does not take --elastic with a max-norm scheme"),
+])
+def test_stock_door_refuses_what_it_cannot_do_when_parsing(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--wrapper", "horovod", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_min_compress_numel_is_for_the_stock_door(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--scheme", "qsgd", "--min-compress-numel", "0"])
+    assert "--min-compress-numel is for --wrapper horovod" in capsys.readouterr().err
+    assert train.parse_args(["--wrapper", "horovod", "--scheme", "qsgd", "--min-compress-numel", "0"]).bucket_mb is None
