@@ -156,3 +156,19 @@ def test_min_compress_numel_is_for_the_stock_door(capsys):
         train.parse_args(["--scheme", "qsgd", "--min-compress-numel", "0"])
     assert "--min-compress-numel is for --wrapper horovod" in capsys.readouterr().err
     assert train.parse_args(["--wrapper", "horovod", "--scheme", "qsgd", "--min-compress-numel", "0"]).bucket_mb is None
+
+
+@pytest.mark.parametrize("workers, preset, expected", [("5", None, "90"), ("2", None, None), ("5", "7", "7")])
+def test_gloo_timeout_raised_for_more_workers_than_cores(monkeypatch, capsys, workers, preset, expected):
+    """On 2 cores, 5 workers get 30 s per worker per core (3 x 30 s), set before hvd.init(); 2 workers keep
+    Gloo's default; a value the user set stays."""
+    monkeypatch.setattr(train, "usable_cpus", lambda: 2)
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", workers)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "0")
+    monkeypatch.setenv(train.GLOO_TIMEOUT, preset or "")  # undone after the test, whatever train.py sets
+    if preset is None:
+        monkeypatch.delenv(train.GLOO_TIMEOUT)
+    train.raise_gloo_timeout()
+    assert train.os.environ.get(train.GLOO_TIMEOUT) == expected
+    told = f"{train.GLOO_TIMEOUT}=90" in capsys.readouterr().err
+    assert told == (expected == "90")
