@@ -78,11 +78,13 @@ def test_clear_errors(tmp_path):
             run_script(TRAIN, np=1, timeout=120, args=[*QUICK, *args, "--log-dir", str(tmp_path)])
 
 
-def test_warmup_steps_then_compressed(tmp_path):
-    run_script(TRAIN, np=2, timeout=180, args=[*QUICK, "--scheme", "qsgd", "--warmup-steps", "4", "--log-dir",
+@pytest.mark.parametrize("door, low, high", [([], 2.5, 3.0),  # the stock door's float64 carrier costs more
+                                             (["--wrapper", "horovod", "--min-compress-numel", "0"], 2.0, 2.5)])
+def test_warmup_steps_then_compressed(tmp_path, door, low, high):
+    run_script(TRAIN, np=2, timeout=180, args=[*QUICK, *door, "--scheme", "qsgd", "--warmup-steps", "4", "--log-dir",
                                                 str(tmp_path), "--run-name", "run"])
     _, (first, second) = _read(tmp_path / "run.jsonl")
-    assert first["compression_ratio"] == 1.0 and 2.5 <= second["compression_ratio"] <= 3.0, (first, second)
+    assert first["compression_ratio"] == 1.0 and low <= second["compression_ratio"] <= high, (first, second)
 
 
 def _model(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -108,7 +110,7 @@ def test_stock_door_learns_keeps_replicas_identical_and_resumes(tmp_path):
     assert config["bytes_source"] == "statistics" and config["machine"]["hvdcomp"] and config["machine"]["cpu"]
     assert unbroken[-1]["train_loss"] < unbroken[0]["train_loss"] and unbroken[-1]["test_loss"] < 2.2
     for record in unbroken:
-        assert 3.0 <= record["compression_ratio"] <= 8.0, record["compression_ratio"]
+        assert 3.5 <= record["compression_ratio"] <= 4.5, record["compression_ratio"]
         assert record["communicate_s"] > 0 and record["compress_s"] is None
     models = [_model(tmp_path / f"unbroken.rank{rank}") for rank in (0, 1)]
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
