@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         meter = Meter((optimizer if codec is None else codec).stats)
 
-    run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}-np{hvd.size()}"
+    stock = "-stock" if args.wrapper == "horovod" else ""  # both doors' runs of a scheme keep their own logs
+    run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}{stock}-np{hvd.size()}"
     log_path = Path(args.log_dir) / f"{run_name}.jsonl"
     if hvd.rank() == 0 and not args.resume:
         log_path.parent.mkdir(parents=True, exist_ok=True)
