@@ -29,20 +29,37 @@ def read_run(path: Path) -> tuple[dict, list[dict]]:
     return config, epochs
 
 
+DEFAULT_DOORS = ("hvdcomp.DistributedOptimizer", "hvdcomp.Birder")  # left out of the labels
+
+
 def label(config: dict) -> str:
     scheme = config["scheme"]
     if scheme in ("qsgd", "randk", "qsgd-multiscale", "randk-multiscale"):
         scheme += " " + ",".join(map(str, config["bits"]))
     if scheme == "powersgd":
         scheme += f" r{config['rank']}"
-    return scheme + (" hier" if config.get("hierarchical") else "")
+    if config.get("min_compress_numel") is not None:
+        scheme += f" min {config['min_compress_numel']}"
+    door = config.get("door", DEFAULT_DOORS[0])
+    return scheme + (" hier" if config.get("hierarchical") else "") + ("" if door in DEFAULT_DOORS else f" ({door})")
+
+
+def machine(config: dict) -> str | None:
+    """The machine a run's config records (CPU, usable cores, versions), or None for a log without one."""
+    m = config.get("machine")
+    if m is None:
+        return None
+    return (f"{m['cpu']}, {m['usable_cpus']} cores, torch {m['torch']}, Horovod {m['horovod']}, "
+            f"hvdcomp {m['hvdcomp']}")
 
 
 def plot(paths: list[Path], out: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    machines = set()
     for path in paths:
         config, epochs = read_run(path)
         name = label(config)
+        machines.add(machine(config))
         epoch = [r["epoch"] for r in epochs]
         wall = [r["wall_s"] for r in epochs]
         sent = [sum(r["inter_node_bytes"] for r in epochs[: i + 1]) / 2**20 for i in range(len(epochs))]
@@ -57,6 +74,7 @@ def plot(paths: list[Path], out: Path) -> None:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     axes[0][0].legend()
+    fig.suptitle("; ".join(sorted(m or "machine not recorded" for m in machines)), fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

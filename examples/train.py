@@ -4,6 +4,11 @@
         --dataset cifar10 --data-dir /data/cifar10 --model resnet50 --scheme qsgd --bits 6
     torchrun --nproc-per-node 2 examples/train.py --engine ddp --scheme qsgd --bits 8   # PyTorch DDP
 
+Two doors for Horovod: ``--wrapper hvdcomp`` (default) wraps the optimizer in ``hvdcomp.DistributedOptimizer``;
+``--wrapper horovod`` in Horovod's own ``hvd.DistributedOptimizer(opt, named_parameters=...,
+compression=hvdcomp.QSGDMaxNorm(8))`` (the max-norm schemes, and ``none``/``fp16`` as ``hvd.Compression.none``/
+``fp16``). The config line of the log records the door, the engine and the machine (CPU, cores, versions).
+
 Without ``--dataset`` it trains a small CNN on scikit-learn's handwritten digits (shipped with
 scikit-learn: no network needed). Rank 0 writes one JSON-lines log per run (the config first, then
 one line per epoch: losses, top-1/top-5 on the full test set, time split into compute /
@@ -16,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -33,14 +39,22 @@ from models import MODELS  # noqa: E402
 
 import hvdcomp  # noqa: E402
 from hvdcomp import FP16, DistributedOptimizer, PowerSGD  # noqa: E402
+from hvdcomp.exchange import Statistics, Traffic  # noqa: E402
 
-SCHEMES = ("none", "fp16", "qsgd", "qsgd-multiscale", "randk", "randk-multiscale", "powersgd", "birder")
+MAX_NORM_SCHEMES = ("qsgd", "qsgd-multiscale", "randk", "randk-multiscale")
+SCHEMES = ("none", "fp16", *MAX_NORM_SCHEMES, "powersgd", "birder")
+STOCK_SCHEMES = ("none", "fp16", *MAX_NORM_SCHEMES)  # what hvd.DistributedOptimizer's compression= takes
+GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+GLOO_TIMEOUT_PER_WORKER_PER_CORE_S = 30  # Horovod's default timeout, per worker beyond one per core
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("horovod", "ddp"), default="horovod",
                    help="horovod (horovodrun) or ddp (torchrun: DDP with hvdcomp's hook, see ddp_engine.py)")
+    p.add_argument("--wrapper", choices=("hvdcomp", "horovod"), default="hvdcomp",
+                   help="--engine horovod: hvdcomp.DistributedOptimizer, or Horovod's own hvd.DistributedOptimizer "
+                        f"with the hvdcomp compressor ({', '.join(STOCK_SCHEMES)})")
     p.add_argument("--dataset", choices=("digits", "cifar10"), default="digits")
     p.add_argument("--data-dir", default="data", help="CIFAR-10 location (torchvision layout)")
     p.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
@@ -59,7 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0, help="exchange uncompressed for the first steps")
     p.add_argument("--elastic", action="store_true",
                    help="Horovod elastic training (horovodrun --min-np/--host-discovery-script); commits every step")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="hvdcomp's buckets (default 25); Horovod's own optimizer fuses by HOROVOD_FUSION_THRESHOLD")
+    p.add_argument("--min-compress-numel", type=int, default=None,
+                   help="--wrapper horovod: smaller gradients go uncompressed (default: the compressor's, 16384)")
     p.add_argument("--epochs", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=128, help="per worker")
     p.add_argument("--lr", type=float, default=0.1)
@@ -110,6 +127,39 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--epochs and --batch-size must be positive")
     if args.warmup_steps < 0 or (args.warmup_steps and args.scheme == "birder"):
         parser.error("--warmup-steps must be >= 0, and Birder has no uncompressed warm-up")
+    if args.wrapper == "horovod":
+        _check_stock_door(parser, args)
+    elif args.min_compress_numel is not None:
+        parser.error("--min-compress-numel is for --wrapper horovod (hvdcomp's optimizer compresses whole buckets)")
+    if args.bucket_mb is None and args.wrapper == "hvdcomp":
+        args.bucket_mb = 25.0
+
+
+def _check_stock_door(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what ``hvd.DistributedOptimizer(..., compression=...)`` cannot do, before any worker starts."""
+    if args.engine == "ddp":
+        parser.error("--wrapper horovod is for --engine horovod (DDP runs hvdcomp's hook)")
+    if args.scheme not in STOCK_SCHEMES:
+        parser.error(f"--wrapper horovod takes --scheme {', '.join(STOCK_SCHEMES)}; --scheme {args.scheme} "
+                     "needs --wrapper hvdcomp (PowerSGD is a bucket codec of hvdcomp.DistributedOptimizer, "
+                     "Birder an optimizer that exchanges by itself)")
+    refused = [flag for flag, given in [
+        ("--bucket-mb (Horovod fuses by HOROVOD_FUSION_THRESHOLD)", args.bucket_mb is not None),
+        ("--hierarchical/--no-hierarchical (Horovod follows horovodrun --hierarchical-allreduce)",
+         args.hierarchical is not None),
+        ("--error-feedback (hvd.Compression.fp16 has none)", args.scheme == "fp16" and args.error_feedback),
+        ("--warmup-steps with --scheme none/fp16 (nothing to warm up)",
+         args.warmup_steps and args.scheme in ("none", "fp16")),
+        ("--min-compress-numel with --scheme none/fp16", args.min_compress_numel is not None
+         and args.scheme in ("none", "fp16")),
+        ("--elastic with a max-norm scheme (Horovod's elastic state does not carry the compressor's per-gradient "
+         "step counts, so new workers would disagree with the others)",
+         args.elastic and args.scheme in MAX_NORM_SCHEMES),
+    ] if given]
+    if refused:
+        parser.error("--wrapper horovod does not take " + "; ".join(refused))
+    if args.min_compress_numel is not None and args.min_compress_numel < 0:
+        parser.error(f"--min-compress-numel must be >= 0, got {args.min_compress_numel}")
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -148,23 +198,30 @@ def load_data(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
 
 # -- scheme ---------------------------------------------------------------------------------------
 def build_compression(args: argparse.Namespace) -> Any:
+    """The ``compression=`` of ``--scheme`` for the chosen door (not for Birder). The max-norm compressors get
+    ``--warmup-steps`` themselves, as the stock door needs (hvdcomp's optimizer is given the same value)."""
+    if args.wrapper == "horovod" and args.scheme in ("none", "fp16"):
+        return {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.scheme]
     bits = args.bits
     ef = not args.no_error_feedback
+    options: dict[str, Any] = {"seed": args.seed, "warmup_steps": args.warmup_steps}
+    if args.min_compress_numel is not None:
+        options["min_compress_numel"] = args.min_compress_numel
     return {
         "none": lambda: None,
         "fp16": lambda: FP16(error_feedback=args.error_feedback),
-        "qsgd": lambda: hvdcomp.QSGDMaxNorm(bits[0], seed=args.seed),
-        "qsgd-multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale(tuple(bits), seed=args.seed),
+        "qsgd": lambda: hvdcomp.QSGDMaxNorm(bits[0], **options),
+        "qsgd-multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale(tuple(bits), **options),
         "randk": lambda: hvdcomp.GlobalRandKMaxNorm(k=args.k, ratio=args.ratio, bits=bits[0], error_feedback=ef,
-                                                    seed=args.seed),
+                                                    **options),
         "randk-multiscale": lambda: hvdcomp.GlobalRandKMaxNormMultiScale(k=args.k, ratio=args.ratio,
                                                                           bits=tuple(bits), error_feedback=ef,
-                                                                          seed=args.seed),
+                                                                          **options),
         "powersgd": lambda: PowerSGD(rank=args.rank, seed=args.seed),
     }[args.scheme]()
 
 
-def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(args: argparse.Namespace, model: nn.Module, compression: Any) -> torch.optim.Optimizer:
     if args.scheme == "birder":
         transport = hvd.transport() if args.engine == "ddp" else None
         return hvdcomp.Birder(model.parameters(), lr=args.birder_lr, beta=args.birder_beta,
@@ -174,9 +231,20 @@ def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.O
                           weight_decay=args.weight_decay)
     if args.engine == "ddp":
         return sgd  # DDP's hook exchanges the gradients (main wraps the model)
-    return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=build_compression(args),
+    if args.wrapper == "horovod":
+        return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression)
+    return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression,
                                 bucket_size_mb=args.bucket_mb, hierarchical=args.hierarchical,
                                 warmup_steps=args.warmup_steps)
+
+
+def door(args: argparse.Namespace) -> str:
+    """What exchanges the gradients: the door of the run, as its log records it."""
+    if args.scheme == "birder":
+        return "hvdcomp.Birder"
+    if args.engine == "ddp":
+        return "torch DistributedDataParallel + hvdcomp.ddp hook"
+    return "hvd.DistributedOptimizer" if args.wrapper == "horovod" else "hvdcomp.DistributedOptimizer"
 
 
 def lr_lambda(args: argparse.Namespace, steps_per_epoch: int):
@@ -192,24 +260,96 @@ def lr_lambda(args: argparse.Namespace, steps_per_epoch: int):
 
 # -- accounting -----------------------------------------------------------------------------------
 class Meter:
-    """Bytes and seconds of the exchange, from the optimizer's statistics, per epoch."""
+    """Bytes and seconds of the exchange per epoch, from ``stats.last_step`` after each step (one
+    ``hvdcomp.exchange.Statistics`` type for hvdcomp's optimizer, Birder, the DDP hook and the compressors)."""
 
-    def __init__(self, exchange: Any) -> None:
-        self.exchange = exchange
+    bytes_source = "statistics"  # where the byte counts come from, as the log records it
+
+    def __init__(self, stats: Statistics) -> None:
+        self.stats = stats
         self.reset()
 
     def reset(self) -> None:
-        self.values = dict(intra_node_bytes=0, inter_node_bytes=0, uncompressed_bytes=0, communicate_s=0.0,
-                           compress_s=0.0)
+        self.values: dict[str, Any] = dict(intra_node_bytes=0, inter_node_bytes=0, uncompressed_bytes=0,
+                                           communicate_s=0.0, compress_s=0.0)
 
-    def after_step(self) -> None:
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``, then add the step's bytes and seconds."""
+        optimizer.step()
+        last = self.stats.last_step
+        self._add_bytes(last)
+        self.values["communicate_s"] += last.communicate_s
+        self.values["compress_s"] += last.compress_s + last.decompress_s
+
+    def _add_bytes(self, last: Traffic) -> None:
         v = self.values
-        last = self.exchange.stats.last_step  # the same statistics type for our optimizer, Birder and the DDP hook
         v["intra_node_bytes"] += last.intra_node_bytes
         v["inter_node_bytes"] += last.inter_node_bytes + last.control_bytes
         v["uncompressed_bytes"] += last.uncompressed_bytes
-        v["communicate_s"] += last.communicate_s
-        v["compress_s"] += last.compress_s + last.decompress_s
+
+
+class StockMeter(Meter):
+    """The stock door's (``hvd.DistributedOptimizer``) bytes and seconds per epoch.
+
+    Bytes: the hvdcomp compressor's statistics; ``hvd.Compression.none``/``fp16`` keep none, so with
+    ``stats=None`` every step counts what hvdcomp's ``NoCompression``/``FP16`` count for the same exchange: one
+    sum of every trainable gradient, at its own width (none) or 2 bytes an element (fp16).
+    Seconds: ``communicate_s`` is the wall time of ``synchronize()``, where the stock optimizer waits for its
+    all-reduces and an hvdcomp compressor runs its exchange and decoding; the codec's share of it cannot be
+    told apart there, so ``compress_s`` is None (the compressor's own time in backward counts as compute).
+    """
+
+    def __init__(self, stats: Statistics | None, model: nn.Module, fp16: bool) -> None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        full = sum(p.numel() * p.element_size() for p in trainable)
+        sent = sum(p.numel() * 2 for p in trainable) if fp16 else full
+        self.computed = Traffic(inter_node_bytes=sent, uncompressed_bytes=full)
+        self.bytes_source = "statistics" if stats is not None else "computed: one sum of every gradient a step"
+        super().__init__(stats)
+
+    def reset(self) -> None:
+        super().reset()
+        self.values["compress_s"] = None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``synchronize()`` (timed), then the wrapped optimizer's step, then add the step's bytes."""
+        start = time.perf_counter()
+        optimizer.synchronize()
+        self.values["communicate_s"] += time.perf_counter() - start
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        self._add_bytes(self.computed if self.stats is None else self.stats.last_step)
+
+
+def machine() -> dict[str, Any]:
+    """Where the run ran: CPU model (``/proc/cpuinfo``), cores, and the versions of Python, torch, Horovod and
+    hvdcomp."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines() if cpuinfo.exists() else []
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return {"cpu": models[0] if models else platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(), "python": platform.python_version(),
+            "torch": torch.__version__, "horovod": horovod.__version__, "hvdcomp": hvdcomp.__version__}
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def raise_gloo_timeout() -> None:
+    """With more workers on this host than cores, workers start (each imports torch) and step in turns, and a
+    worker can wait on the others longer than Gloo's default 30 s: unless ``HOROVOD_GLOO_TIMEOUT_SECONDS`` is
+    set, give Gloo 30 s per worker per core. Gloo reads it in each worker's ``hvd.init()``, so this runs before;
+    ``horovodrun --gloo`` tells each worker its host's worker count in ``HOROVOD_LOCAL_SIZE``."""
+    workers, cores = int(os.environ.get("HOROVOD_LOCAL_SIZE", "1")), usable_cpus()
+    if workers <= cores or GLOO_TIMEOUT in os.environ:
+        return
+    seconds = GLOO_TIMEOUT_PER_WORKER_PER_CORE_S * math.ceil(workers / cores)
+    os.environ[GLOO_TIMEOUT] = str(seconds)
+    if os.environ.get("HOROVOD_LOCAL_RANK") == "0":
+        print(f"train.py: {workers} workers on {cores} cores start and step slowly: {GLOO_TIMEOUT}={seconds} "
+              f"(Horovod's default is 30; set {GLOO_TIMEOUT} yourself to choose)", file=sys.stderr, flush=True)
 
 
 def evaluate(model: nn.Module, test_set: Dataset, batch_size: int) -> dict[str, float]:
@@ -258,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         hvd = ddp_engine  # the few horovod.torch calls of this script, over torch.distributed
         hvd.init()
     else:
+        raise_gloo_timeout()
         hvdcomp.init()  # hvd.init with dynamic process sets, as hierarchical exchanges need
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -274,30 +415,38 @@ def main(argv: list[str] | None = None) -> None:
                          "examples per worker")
     model = MODELS[args.model](num_classes=10, in_channels=channels)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = exchange = build_optimizer(args, model)  # exchange: what has stats and the codec's state
+    compression = None if args.scheme == "birder" else build_compression(args)
+    optimizer = build_optimizer(args, model, compression)
+    # codec: what keeps codec state outside optimizer.state_dict() (hvdcomp's optimizer and Birder keep it in)
+    codec = compression if args.wrapper == "horovod" and args.scheme in MAX_NORM_SCHEMES else None
     if args.engine == "ddp" and args.scheme != "birder":
-        model, exchange = hvd.wrap(model, build_compression(args), args.bucket_mb, args.hierarchical)
+        model, codec = hvd.wrap(model, compression, args.bucket_mb, args.hierarchical)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch))
     start_epoch = 0
     if args.resume:
         state = load_checkpoint(args.resume)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        if exchange is not optimizer:
-            exchange.load_state_dict(state["exchange"])
+        if codec is not None:
+            codec.load_state_dict(state["exchange"])
         schedule.load_state_dict(state["schedule"])
         start_epoch = state["epoch"] + 1
         if hvd.broadcast_object(start_epoch, root_rank=0) != start_epoch:
             raise SystemExit("workers resumed from different epochs; give every worker its own checkpoint")
     numel = sum(p.numel() for p in model.parameters())
-    meter = Meter(exchange)
+    if args.wrapper == "horovod":
+        meter: Meter = StockMeter(None if codec is None else codec.stats, model, fp16=args.scheme == "fp16")
+    else:
+        meter = Meter((optimizer if codec is None else codec).stats)
 
-    run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}-np{hvd.size()}"
+    stock = "-stock" if args.wrapper == "horovod" else ""  # both doors' runs of a scheme keep their own logs
+    run_name = args.run_name or f"{args.dataset}-{args.model}-{args.scheme}{stock}-np{hvd.size()}"
     log_path = Path(args.log_dir) / f"{run_name}.jsonl"
     if hvd.rank() == 0 and not args.resume:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        config = dict(vars(args), world_size=hvd.size(), local_size=hvd.local_size(), parameters=numel,
-                      steps_per_epoch=steps_per_epoch, torch=torch.__version__, horovod=horovod.__version__)
+        config = dict(vars(args), door=door(args), world_size=hvd.size(), local_size=hvd.local_size(),
+                      parameters=numel, steps_per_epoch=steps_per_epoch, bytes_source=meter.bytes_source,
+                      machine=machine())
         log_path.write_text(json.dumps({"type": "config", **config}) + "\n", encoding="utf-8")
     started = time.time()
     loss_fn = nn.CrossEntropyLoss()
@@ -324,8 +473,7 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.zero_grad()
                 loss = loss_fn(model(x), y)
                 loss.backward()
-                optimizer.step()
-                meter.after_step()
+                meter.step(optimizer)  # optimizer.step(), counting the exchange's bytes and seconds
                 schedule.step()
                 train_loss += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
                 if args.elastic:
@@ -345,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         record = {
             "type": "epoch", "epoch": epoch + 1, "train_loss": train_sum / train_count, **metrics,
             "lr": schedule.get_last_lr()[0], "wall_s": time.time() - started, "epoch_s": epoch_seconds,
-            "compute_s": epoch_seconds - v["communicate_s"] - v["compress_s"],
+            "compute_s": epoch_seconds - v["communicate_s"] - (v["compress_s"] or 0.0),
             "communicate_s": v["communicate_s"], "compress_s": v["compress_s"],
             "intra_node_bytes": v["intra_node_bytes"], "inter_node_bytes": v["inter_node_bytes"],
             "uncompressed_bytes": v["uncompressed_bytes"],
@@ -361,8 +509,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  sent {sent_mib:.2f} MiB "
                   f"(x{record['compression_ratio']:.2f})  {epoch_seconds:.1f}s", flush=True)
         if args.checkpoint:
-            hook = exchange.state_dict() if exchange is not optimizer else None  # the DDP hook's codec state
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "exchange": hook,
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "exchange": None if codec is None else codec.state_dict(),
                         "schedule": schedule.state_dict(), "epoch": epoch, "world_size": hvd.size(),
                         "args": vars(args)}, f"{args.checkpoint}.rank{hvd.rank()}")
 
