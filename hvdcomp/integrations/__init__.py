@@ -2,7 +2,6 @@
 
 - ``compressors``: Horovod ``Compressor`` objects for the stock ``hvd.DistributedOptimizer``
   (``QSGDMaxNorm``, ...) and ``bucket_codec``, which maps ``compression=`` to a bucket codec;
-- ``stock_names``: which gradient the stock optimizer is compressing, read from Horovod's frames;
 - ``optimizer``: ``DistributedOptimizer``, bucketed and overlapped, optionally hierarchical;
   ``buckets``: its parameter names and buckets (Horovod's rules, ``groups``);
 - ``parity``: what both optimizers share to behave like Horovod's (its warning text, its

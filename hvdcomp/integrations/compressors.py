@@ -22,8 +22,9 @@ gradients (their mean if Horovod averaged, their sum if it summed), identical on
 gradient's shape and dtype. The price: the exchange starts only in ``synchronize()``, so it does not
 overlap backward (``hvdcomp.DistributedOptimizer`` overlaps it).
 
-Gradients are identified by Horovod's own name for them (read from the optimizer's frames, see
-``stock_names``), which keys their error-feedback memory, coordinate sets, step counts and tags.
+Gradients are identified by Horovod's own name for them (read from the optimizer's frames by
+``hvdcomp.transport._compat.stock_call``), which keys their error-feedback memory, coordinate sets, step
+counts and tags.
 Every MAX round is stamped with each gradient's tag (``carrier.stamp``), so workers that batch
 different gradients, or configure the compressor differently, all raise ``CarrierMismatchError``
 rather than mix their scales; each header checks the same again. Called outside Horovod's optimizer,
@@ -58,9 +59,9 @@ from ..exchange.elementwise import FP16, MaxNormCodec, NoCompression
 from ..exchange.protocol import Exchange, Op, drive_together, relay
 from ..exchange.stats import CountedCollectives, Statistics, Traffic
 from ..exchange.two_stage import TwoStageMaxNorm
+from ..transport._compat import stock_call
 from ..transport.horovod import HorovodTransport
 from .scale_ahead import SCALE_MODES, AheadExchange, ScaleAhead
-from .stock_names import stock_call
 from .warmup import UncompressedContext, send_uncompressed
 
 MIN_COMPRESS_NUMEL = 16384  # the stock path's default: smaller gradients go uncompressed (64 KiB of float32)

@@ -43,6 +43,7 @@ from horovod.common.exceptions import HorovodInternalError
 from ..codec.half import sum_rows_to_half
 from ..codec.recycle import ResultBuffers
 from ..exchange.protocol import Op, Reduction, Scope
+from ._compat import allreduce_async_into
 
 _DYNAMIC_SETS_NEEDED = (
     "hierarchical exchanges over Horovod need dynamic process sets: start Horovod with hvdcomp.init() instead of "
@@ -276,7 +277,7 @@ class HorovodTransport:
             # faulted in page by page as Horovod copies the sum into it (a timeline of FP16 showed one fused
             # group's 40 MB take 47 ms there)
             output = self._sums.take(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
-            return hvd.mpi_ops._allreduce_async(tensor, output, name, reduce_op, 1.0, 1.0, group)
+            return allreduce_async_into(tensor, output, name, reduce_op, group)
         except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
             if "process set" not in str(error).lower():
                 raise
