@@ -13,7 +13,8 @@ processes: ``Birder(params, lr=..., transport=TorchDistributedTransport())``. Im
 imports neither Horovod nor mpi4py.
 """
 
-from .integrations.ddp import CompressionState, codec_for, compression_hook, register
+from .integrations.ddp import CompressionState, compression_hook, register
+from .integrations.resolve import resolve_codec
 from .transport.torch_distributed import TorchDistributedTransport
 
-__all__ = ["CompressionState", "TorchDistributedTransport", "codec_for", "compression_hook", "register"]
+__all__ = ["CompressionState", "TorchDistributedTransport", "compression_hook", "register", "resolve_codec"]

@@ -54,7 +54,7 @@ _ONE_PROCESS = textwrap.dedent("""
                                                  compression=compression, groups=groups)
         finally:
             del os.environ["HOROVOD_ELASTIC"]
-        transport, calls = compression.transport, []
+        transport, calls = compression.stock().transport, []
         collective = transport.collective
         transport.collective = lambda op, t: calls.append((op.name, t.numel())) or collective(op, t)
         for step in range(2):
@@ -62,8 +62,8 @@ _ONE_PROCESS = textwrap.dedent("""
             head = model["h1"] if step == 0 else model["h2"]
             head(torch.tanh(model["trunk"](torch.ones(4, 3)))).sum().backward()
             optimizer.step()
-        memory = compression.codec.memory
-        return {"steps": compression._steps, "calls": calls,
+        memory = compression.max_norm.memory
+        return {"steps": compression.stock().state_dict()["steps"], "calls": calls,
                 "memory": None if memory is None else sorted(memory.state_dict()["residuals"])}
 
     class Logged(hvdcomp.QSGDMaxNorm):  # a user's wrapper around compress must keep Horovod's names
@@ -176,7 +176,7 @@ _RESUME = textwrap.dedent("""
     compression2.load_state_dict(checkpoint["compression"])
     train(resumed, optimizer2, 3, 3)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
-    sys.stdout.buffer.write(pickle.dumps({"same": same, "steps": compression2._steps}))
+    sys.stdout.buffer.write(pickle.dumps({"same": same, "steps": compression2.stock().state_dict()["steps"]}))
 """)
 
 

@@ -4,7 +4,7 @@ A max-norm exchange with its scale agreed ahead quantizes with the scale ``M`` e
 the tensor's previous exchange, so it needs no MAX round before its payload. An element above ``M`` is
 sent as ``sign(x) * M`` and its excess ``x - sign(x) * M`` stays with this worker, added to the tensor's
 next values (delayed, never lost). ``AgreedScales`` keeps both per key; the protocols that carry the
-next scale live above (``hvdcomp.exchange.ahead``, ``hvdcomp.integrations.scale_ahead``).
+next scale live above (``hvdcomp.exchange.ahead``).
 """
 
 from __future__ import annotations

@@ -14,14 +14,15 @@ buckets. Requests:
   SUM gathers every worker's row exactly and the maximum over the rows is the MAX, bit for bit. One collective
   per bucket instead of two, whose small MAX waited its turn behind the payloads in Horovod's queue and took 2
   to 10 ms each on the emulated cluster. The rows are used while they are at most 1/64 of the payload's words
-  (``scale_share``; many small scale groups and many workers take the MAX);
+  (``scale_share``; many small scale groups and many workers take the MAX). In a float carrier
+  (``carrier_bits``: Horovod's stock optimizer reduces nothing else) the rows always ride in the payload;
 - without one (a bucket's first exchange, a new size or world size, a resumed state without one, the
   step after a NaN/Inf): the exact exchange of ``MaxNormCodec`` (``Op.MAX`` then ``Op.PAYLOAD``), whose
   MAX seeds the agreed scale.
 
 An element above the agreed scale ``M`` is sent as ``sign(x) * M`` and its excess stays in this worker's
 memory, added to the bucket's next values (``hvdcomp.codec.agreed``): delayed, never lost. Bias and
-variance are those of the stock path's ``scale="ahead"`` (``hvdcomp.integrations.scale_ahead``). If any
+variance are those of ``hvdcomp.QSGDMaxNorm``'s ``scale="ahead"`` (``hvdcomp.integrations.codecs``). If any
 worker's values hold NaN/Inf, every worker learns it from the MAX after the payload and returns all-NaN,
 with a warning; the excess memory is left as it was and the next exchange is exact.
 """
@@ -68,11 +69,12 @@ class AheadMaxNorm(ElementwiseCodec):
         super().bind_transport(transport)
         self.workers = transport.size
 
-    def scale_rows(self, world_size: int, count: int, words: int) -> int:
+    def scale_rows(self, world_size: int, count: int, words: int, carried: bool = False) -> int:
         """int64 words of statistics rows in the payload of an exchange over ``world_size`` workers with ``count``
-        statistics and ``words`` words of levels: ``world_size * count``, or 0 (a separate ``Op.MAX``)."""
+        statistics and ``words`` words of levels: ``world_size * count`` (always in a float carrier: ``carried``),
+        or 0 (a separate ``Op.MAX``)."""
         rows = world_size * count
-        return rows if world_size == self.workers and rows * self.scale_share <= words else 0
+        return rows if carried or (world_size == self.workers and rows * self.scale_share <= words) else 0
 
     @property
     def reuses_result(self) -> bool:
@@ -84,15 +86,18 @@ class AheadMaxNorm(ElementwiseCodec):
         return (*self.inner.config(), "ahead")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
-                 word_bits: int = INT64_WORD_BITS) -> Exchange:
-        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory."""
+                 word_bits: int = INT64_WORD_BITS, carrier_bits: int | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory. ``word_bits``: the
+        usable bits of the exact exchange's payload words. ``carrier_bits``: with an agreed scale, the payload is
+        words of that many bits for a float carrier (``hvdcomp.codec.carrier``) with the statistics rows always in
+        it, and no request follows it; default: int64 words, the rows as ``scale_rows`` says."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
-        return self._exchange(flat, layout, key, step, world_size, word_bits)
+        return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits)
 
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
-                  word_bits: int) -> Exchange:
+                  word_bits: int, carrier_bits: int | None) -> Exchange:
         memory, quantizer = self.memory, self.inner.quantizer
         numel = flat.numel()
         values = memory.with_excess(key, flat)
@@ -113,8 +118,10 @@ class AheadMaxNorm(ElementwiseCodec):
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         excess = memory.clipped(values, local, scale_stats, groups) if finite else None
         rounding = self.inner.rounding_stream(key, step, flat.device)
+        carried = carrier_bits is not None
+        word_bits = carrier_bits if carried else word_bits
         words = lane_block_words(numel, quantizer.payload_layout(world_size, word_bits).lanes_per_word)
-        rows = self.scale_rows(world_size, local.numel(), words)
+        rows = self.scale_rows(world_size, local.numel(), words, carried)
         payload = self.inner.buffers.take((key, "payload"), words + rows, torch.int64, flat.device)
         quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words])
         if rows:  # this worker's row: the bits of its float32 statistics (non-negative, below 2**31)

@@ -51,6 +51,14 @@ class NoCompression(ElementwiseCodec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Horovod's ``Compression.none`` for its stock optimizer: ``tensor`` as it is, no context."""
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, ctx: None) -> torch.Tensor:
+        """The reduced ``tensor`` as it is."""
+        return tensor
+
 
 class FP16(ElementwiseCodec):
     """Float16 sum over the workers (Horovod's fp16 compression), 16 bits per element on the wire.
@@ -126,6 +134,18 @@ class FP16(ElementwiseCodec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.memory is not None:
             self.memory.load_state_dict(state)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """Horovod's ``Compression.fp16`` for its stock optimizer: a floating-point ``tensor`` cast to float16 (others
+        as they are), and its dtype as the context. Error feedback needs the bucket exchange: ``TypeError``."""
+        if self.memory is not None:
+            raise TypeError("FP16(error_feedback=True) needs whole buckets: use hvdcomp.DistributedOptimizer or "
+                            "hvdcomp.ddp, or FP16() in Horovod's optimizer")
+        return (tensor.to(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
+        """The reduced float16 ``tensor`` back in its dtype ``ctx``."""
+        return tensor.to(ctx) if ctx.is_floating_point else tensor
 
 
 class MaxNormCodec(ElementwiseCodec):

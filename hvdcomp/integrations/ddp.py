@@ -46,7 +46,6 @@ it is an explicit choice.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,31 +58,14 @@ from ..codec import carrier
 from ..codec.seeding import stable_seed
 from ..codec.validate import check_bool, check_real
 from ..exchange.bucket import BucketCodec, ElementwiseCodec
-from ..exchange.elementwise import NoCompression
 from ..exchange.hierarchy import bucket_exchange
 from ..exchange.protocol import Exchange, Op
 from ..exchange.stats import Statistics
 from ..transport.torch_distributed import TorchDistributedTransport
 from .buckets import Bucket, plan_buckets
+from .resolve import resolve_codec
 
 Parameter = torch.nn.Parameter
-
-
-def codec_for(compression: Any) -> BucketCodec:
-    """The bucket codec for ``compression``: ``None`` -> ``NoCompression``; a ``BucketCodec`` as it is;
-    with Horovod loaded, anything ``hvdcomp.integrations.compressors.bucket_codec`` maps (hvdcomp's
-    compressors such as ``hvdcomp.QSGDMaxNorm(8)``, Horovod's ``Compression.fp16``)."""
-    if compression is None:
-        return NoCompression()
-    if isinstance(compression, BucketCodec):
-        return compression
-    if "horovod.torch" in sys.modules:  # hvdcomp's compressors and Compression.* exist only with Horovod loaded
-        from .compressors import bucket_codec
-
-        return bucket_codec(compression)
-    raise TypeError(f"compression={compression!r} is not supported: use None, a hvdcomp.exchange.BucketCodec "
-                    "(NoCompression, FP16, PowerSGD, MaxNormCodec, your own) or an hvdcomp compressor "
-                    "(hvdcomp.QSGDMaxNorm(8), ...)")
 
 
 @dataclass(eq=False)
@@ -328,7 +310,7 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
-    codec = codec_for(compression)
+    codec = resolve_codec(compression)
     hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
     if bucket_size_mb is None:
         bucket_size_mb = ddp_model.bucket_bytes_cap / 2**20

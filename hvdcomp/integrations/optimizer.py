@@ -48,7 +48,6 @@ from ..exchange.protocol import Exchange, Op, Transport
 from ..exchange.stats import Statistics
 from ..transport.horovod import HorovodTransport
 from .buckets import Bucket, check_groups, collective_prefix, parameter_names, plan_buckets
-from .compressors import bucket_codec
 from .launch import check_hierarchical, resolve_hierarchical
 from .parity import (
     STEP_AFTER_SYNCHRONIZE,
@@ -57,6 +56,7 @@ from .parity import (
     claim_codec,
     remove_hooks,
 )
+from .resolve import resolve_codec
 from .resume import agree_on_state, exchange_state, load_exchange_state, remember_fresh_codec
 from .warmup import WARMUP_CODEC, resolve_warmup
 
@@ -122,7 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._transport = transport if transport is not None else HorovodTransport(process_set)
         per_node = 1 if self._hierarchical else self._transport.local_size  # workers sharing an uplink in an exchange
-        self._codec = claim_codec(bucket_codec(compression, exchange, per_node), self)
+        self._codec = claim_codec(resolve_codec(compression, exchange, per_node), self)
         self._codec.bind_transport(self._transport)
         remember_fresh_codec(self)
         if self._hierarchical:
