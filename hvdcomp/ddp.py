@@ -7,10 +7,11 @@
     ...                                                               # train as usual; no_sync works
     state.stats.last_step, state.state_dict(), state.load_state_dict(...)
 
-``register`` and ``CompressionState`` are ``hvdcomp.integrations.ddp``'s; ``TorchDistributedTransport``
-(``hvdcomp.transport.torch_distributed``) also carries ``hvdcomp.Birder``'s exchange on DDP-launched
-processes: ``Birder(params, lr=..., transport=TorchDistributedTransport())``. Importing this module
-imports neither Horovod nor mpi4py.
+``register`` and ``CompressionState`` are ``hvdcomp.integrations.ddp``'s; ``resolve_codec``
+(``hvdcomp.integrations.resolve``) says which bucket codec a ``compression`` argument runs;
+``TorchDistributedTransport`` (``hvdcomp.transport.torch_distributed``) also carries ``hvdcomp.Birder``'s
+exchange on DDP-launched processes: ``Birder(params, lr=..., transport=TorchDistributedTransport())``.
+Importing this module imports neither Horovod nor mpi4py.
 """
 
 from .integrations.ddp import CompressionState, compression_hook, register

@@ -20,8 +20,8 @@ request:
   then one int64 SUM of every packed level). By then every worker has compressed all its gradients of the
   step: Horovod's ``synchronize()`` compresses the parameters whose hook did not fire (zero-filled) before it
   waits for any handle, so every worker compressed the same names, whatever parameters its own loss used. The
-  price: the exchange starts only in ``synchronize()``, so it does not overlap backward (``hvdcomp.
-  DistributedOptimizer`` overlaps it).
+  price: the exchange starts only in ``synchronize()``, so it does not overlap backward
+  (``hvdcomp.DistributedOptimizer`` overlaps it).
 
 Each ``decompress`` returns what the reduced header says the op made of the workers' dequantized gradients
 (their mean if Horovod averaged, their sum if it summed), identical on every worker, in the gradient's shape
