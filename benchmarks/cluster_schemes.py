@@ -66,6 +66,12 @@ class Scheme:
         return "two_stage" if self.two_stage else "lanes"
 
     @property
+    def scale(self) -> str:
+        """``QSGDMaxNorm``'s ``scale=``: ``"exact"`` with ``:two_stage`` (whose exchange agrees each bucket's scale
+        before its payload), else its default ``"ahead"``."""
+        return "exact" if self.two_stage else "ahead"
+
+    @property
     def torch_distributed(self) -> bool:
         """Whether the workers join torch.distributed (``RANK``, ``WORLD_SIZE``, ``--ddp-init``), not Horovod."""
         return self.family in TORCH_DISTRIBUTED_FAMILIES

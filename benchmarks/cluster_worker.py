@@ -69,11 +69,11 @@ class Run:
         self.traffic, self.payload_bits = traffic, payload_bits
 
 
-def _hvdcomp_compression(variant: str, bits: int | None) -> Any:
+def _hvdcomp_compression(variant: str, bits: int | None, scale: str = "ahead") -> Any:
     import hvdcomp
 
     if bits is not None:
-        return hvdcomp.QSGDMaxNorm(bits)
+        return hvdcomp.QSGDMaxNorm(bits, scale=scale)
     return {"none": hvdcomp.NoCompression, "fp16": hvdcomp.FP16,
             "multiscale48": lambda: hvdcomp.QSGDMaxNormMultiScale((4, 8)),
             "randk1": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.01),
@@ -103,7 +103,7 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
                                    **BIRDER_HYPERPARAMETERS)
         stats = optimizer.stats
     else:
-        compression = _hvdcomp_compression(scheme.variant, scheme.qsgd_bits)
+        compression = _hvdcomp_compression(scheme.variant, scheme.qsgd_bits, scheme.scale)
         optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=named, compression=compression,
                                                  hierarchical=scheme.hierarchical, exchange=scheme.exchange)
         stats = optimizer.stats
@@ -113,7 +113,7 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
 
 
 def _hvdcomp_ddp_codec(variant: str, bits: int | None) -> Any:
-    """The bucket codec of an ``hvdcomp-ddp`` variant, built as ``bucket_codec`` builds it from the ``hvdcomp``
+    """The bucket codec of an ``hvdcomp-ddp`` variant, built as ``resolve_codec`` builds it from the ``hvdcomp``
     compressor of the same name (``QSGDMaxNorm``, ``QSGDMaxNormMultiScale``, ``GlobalRandKMaxNorm``: their
     defaults), without Horovod; ``None`` for ``none`` (``register``'s fp32 mean)."""
     from hvdcomp import FP16, MaxNormQuantizer, PowerSGD, RandomCoordinateSelector

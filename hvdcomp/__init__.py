@@ -7,9 +7,9 @@ Layers, each depending only on those below it:
 - ``hvdcomp.exchange``: protocols of typed collective requests, the bucket codec contract, the
   simulator, hierarchical routing, the 1-bit exchanges, the cost model and the statistics type;
 - ``hvdcomp.transport``: Horovod, MPI and torch.distributed carry the requests out;
-- ``hvdcomp.integrations``: the stock-optimizer compressors, ``DistributedOptimizer``, ``Birder`` and the
-  PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp`` needs no Horovod); ``hvdcomp.init()``
-  starts Horovod as hierarchical exchanges need it.
+- ``hvdcomp.integrations``: the public max-norm codecs (which Horovod's stock optimizer also takes),
+  ``DistributedOptimizer``, ``Birder`` and the PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp``
+  needs no Horovod, nor do the codecs); ``hvdcomp.init()`` starts Horovod as hierarchical exchanges need it.
 
 The public names below load their layer on first use, so ``import hvdcomp.codec`` (or
 ``hvdcomp.exchange``) needs neither Horovod nor mpi4py.
@@ -32,11 +32,11 @@ _HOMES = {
     "HorovodTransport": ".transport",
     "MPITransport": ".transport",
     "TorchDistributedTransport": ".transport",
-    "GlobalRandKMaxNorm": ".integrations.compressors",
-    "GlobalRandKMaxNormMultiScale": ".integrations.compressors",
-    "MaxNormCompressor": ".integrations.compressors",
-    "QSGDMaxNorm": ".integrations.compressors",
-    "QSGDMaxNormMultiScale": ".integrations.compressors",
+    "GlobalRandKMaxNorm": ".integrations.codecs",
+    "GlobalRandKMaxNormMultiScale": ".integrations.codecs",
+    "MaxNormCompressor": ".integrations.codecs",
+    "QSGDMaxNorm": ".integrations.codecs",
+    "QSGDMaxNormMultiScale": ".integrations.codecs",
     "DistributedOptimizer": ".integrations.optimizer",
     "Birder": ".integrations.birder",
     "init": ".integrations.launch",

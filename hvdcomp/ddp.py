@@ -7,13 +7,15 @@
     ...                                                               # train as usual; no_sync works
     state.stats.last_step, state.state_dict(), state.load_state_dict(...)
 
-``register`` and ``CompressionState`` are ``hvdcomp.integrations.ddp``'s; ``TorchDistributedTransport``
-(``hvdcomp.transport.torch_distributed``) also carries ``hvdcomp.Birder``'s exchange on DDP-launched
-processes: ``Birder(params, lr=..., transport=TorchDistributedTransport())``. Importing this module
-imports neither Horovod nor mpi4py.
+``register`` and ``CompressionState`` are ``hvdcomp.integrations.ddp``'s; ``resolve_codec``
+(``hvdcomp.integrations.resolve``) says which bucket codec a ``compression`` argument runs;
+``TorchDistributedTransport`` (``hvdcomp.transport.torch_distributed``) also carries ``hvdcomp.Birder``'s
+exchange on DDP-launched processes: ``Birder(params, lr=..., transport=TorchDistributedTransport())``.
+Importing this module imports neither Horovod nor mpi4py.
 """
 
 from .integrations.ddp import CompressionState, compression_hook, register
+from .integrations.resolve import resolve_codec
 from .transport.torch_distributed import TorchDistributedTransport
 
-__all__ = ["CompressionState", "TorchDistributedTransport", "compression_hook", "register"]
+__all__ = ["CompressionState", "TorchDistributedTransport", "compression_hook", "register", "resolve_codec"]

@@ -132,17 +132,29 @@ def test_a_resumed_state_continues_exactly():
         assert torch.equal(_step(resumed, steps[step], step), straight[step])
 
 
-def test_a_state_saved_with_the_exact_scale_loads_and_the_next_exchange_is_exact():
+def test_a_state_saved_with_the_other_scale_mode_is_refused_before_anything_changes():
     exact = MaxNormCodec(MaxNormQuantizer((4,)))
     exact.bind_rank(0)
     codecs = _workers(1)
-    codecs[0].load_state_dict(exact.state_dict())
-    ops = []
-    _step(codecs, [torch.ones(sum(SIZES))], 0, ops)
-    assert ops == [Op.MAX, Op.PAYLOAD]
-    with pytest.warns(RuntimeWarning, match="dropped"):  # and back: what was still owed cannot be sent
-        codecs[0].memory.keep_excess("b", (torch.tensor([0]), torch.tensor([1.0])))
+    _step(codecs, [torch.ones(sum(SIZES))], 0)
+    before = codecs[0].state_dict()
+    with pytest.raises(ValueError, match="scale='exact'"):
+        codecs[0].load_state_dict(exact.state_dict())
+    assert torch.equal(codecs[0].state_dict()["agreed"]["scales"]["b"][2], before["agreed"]["scales"]["b"][2])
+    with pytest.raises(ValueError, match="not a MaxNormCodec state"):  # and back: what was still owed cannot be sent
         exact.load_state_dict(codecs[0].state_dict())
+
+
+def test_a_nonfinite_agreed_scale_is_refused():
+    codecs = _workers(1)
+    _step(codecs, [torch.ones(sum(SIZES))], 0)
+    state = codecs[0].state_dict()
+    numel, size, scales = state["agreed"]["scales"]["b"]
+    state["agreed"]["scales"]["b"] = (numel, size, torch.full_like(scales, float("nan")))
+    fresh = _workers(1)[0]
+    with pytest.raises(ValueError, match="not finite"):
+        fresh.load_state_dict(state)
+    assert fresh.memory.scales("b", numel, size) is None
 
 
 def test_configurations_that_need_their_own_rounds_are_refused():

@@ -44,6 +44,7 @@ def test_scheme_names():
     assert "hvdcomp-ddp:birder" not in DEFAULT and [n for n in QUICK if n.startswith("hvdcomp-ddp:")]
     two_stage = parse_scheme("hvdcomp:qsgd8:hier:two_stage")
     assert two_stage == Scheme("hvdcomp", "qsgd8", True, True) and two_stage.exchange == "two_stage"
+    assert two_stage.scale == "exact" and parse_scheme("hvdcomp:qsgd8").scale == "ahead"
     assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
     assert parse_scheme("hvdcomp:qsgd8").exchange == "lanes"
     for bad in ("horovod:qsgd4", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp", "mpi:fp32",
@@ -82,12 +83,12 @@ def test_torch_distributed_env():
 
 def test_hvdcomp_ddp_codecs_match_the_hvdcomp_schemes():
     """hvdcomp-ddp:X builds (without Horovod) the bucket codec that hvdcomp:X's compressor carries."""
-    from hvdcomp.ddp import codec_for
+    from hvdcomp.ddp import resolve_codec
 
     for variant in ("none", "fp16", "qsgd4", "multiscale48", "randk1", "powersgd1"):
         bits = parse_scheme(f"hvdcomp-ddp:{variant}").qsgd_bits
-        ours = codec_for(cluster_worker._hvdcomp_ddp_codec(variant, bits))
-        theirs = codec_for(cluster_worker._hvdcomp_compression(variant, bits))  # imports Horovod
+        ours = resolve_codec(cluster_worker._hvdcomp_ddp_codec(variant, bits))
+        theirs = resolve_codec(cluster_worker._hvdcomp_compression(variant, bits))
         assert type(ours) is type(theirs), variant
         assert getattr(ours, "config", tuple)() == getattr(theirs, "config", tuple)(), variant
         assert getattr(ours, "seed", None) == getattr(theirs, "seed", None), variant

@@ -73,7 +73,7 @@ def _coarse_levels(name):
 def _simulated(name, world_size, step_grads):
     """The workers' exchanges replayed in one process, in the same order, with the workers' rounding
     generators and per-worker memories: the mean of the ranks' dequantized values."""
-    codecs = [_make(name).codec for _ in range(world_size)]
+    codecs = [_make(name).max_norm for _ in range(world_size)]
     expected = {}
     for step, per_rank in enumerate(step_grads):
         for index in range(len(per_rank[0])):
@@ -137,7 +137,7 @@ def _small_gradients_worker():
     import horovod.torch as hvd
 
     import hvdcomp
-    from hvdcomp.integrations.compressors import MIN_COMPRESS_NUMEL
+    from hvdcomp.integrations.codecs import MIN_COMPRESS_NUMEL
 
     gen = torch.Generator().manual_seed(hvd.rank())
     small, big = torch.randn(MIN_COMPRESS_NUMEL - 1, generator=gen), torch.randn(MIN_COMPRESS_NUMEL, generator=gen)
@@ -154,7 +154,7 @@ def _small_gradients_worker():
         sent, result = exchange(compressor, gradient, label)
         out[label] = {"sent": sent, "result": result, "exact": hvd.allreduce(gradient.float(), name=f"{label}.exact"),
                       "scale": hvd.allreduce(gradient.float().abs().max(), op=hvd.Max, name=f"{label}.max"),
-                      "stats": compressor.stats.last_step.as_dict(), "steps": dict(compressor._steps)}
+                      "stats": compressor.stats.last_step.as_dict(), "steps": compressor.stock().state_dict()["steps"]}
     everything = hvdcomp.QSGDMaxNorm(4, min_compress_numel=0)
     out["small_compressed"] = exchange(everything, small, "small_compressed")[1]
     # workers that disagree on the threshold: both compress (carrier tags differ), or only one does

@@ -57,7 +57,7 @@ def _round_trip(quantizer, grads, segments, world_size, word_bits, step):
     if quantizer.multiscale:
         votes = [quantizer.agreement_words(g, stats, groups, world_size) for g in grads]
         out["votes"] = torch.stack(votes)
-        agreed = out["agreed"] = quantizer.agreed_scales(sum(votes), grads[0].numel(), world_size)
+        agreed = out["agreed"] = quantizer.agreed_resolutions(sum(votes), grads[0].numel(), world_size)
     words = [quantizer.encode(g, stats, groups, agreed, world_size, word_bits, stream_words(step, 0, rank))
              for rank, g in enumerate(grads)]
     out["words"] = torch.stack(words)

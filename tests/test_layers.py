@@ -12,6 +12,7 @@ import torch
 import hvdcomp
 from hvdcomp.exchange import (
     FP16,
+    AheadMaxNorm,
     BucketCodec,
     ElementwiseCodec,
     MaxNormCodec,
@@ -35,7 +36,7 @@ from tests.fakes import EchoTransport
 PACKAGE = Path(hvdcomp.__file__).parent
 LAYERS = ("codec", "exchange", "transport", "integrations")  # bottom to top
 PUBLIC = ("QSGDMaxNorm", "QSGDMaxNormMultiScale", "GlobalRandKMaxNorm", "GlobalRandKMaxNormMultiScale",
-          "DistributedOptimizer", "Birder", "PowerSGD", "FP16", "NoCompression", "MPITransport",
+          "MaxNormCompressor", "DistributedOptimizer", "Birder", "PowerSGD", "FP16", "NoCompression", "MPITransport",
           "HorovodTransport", "TorchDistributedTransport", "CarrierMismatchError")
 
 
@@ -67,16 +68,33 @@ def test_dependencies_point_downward(layer):
                 assert name.split(".")[0] not in ("horovod", "mpi4py"), f"{path.name} ({layer}) imports {name}"
 
 
-def test_codec_and_exchange_import_without_horovod_or_mpi4py():
-    code = ("import sys; sys.modules['horovod'] = sys.modules['mpi4py'] = None; "
-            "import hvdcomp.codec, hvdcomp.exchange, torch; "
-            "from hvdcomp.exchange import MaxNormCodec, simulate; from hvdcomp.codec import MaxNormQuantizer; "
-            "codecs = [MaxNormCodec(MaxNormQuantizer((4,))) for _ in range(2)]; "
-            "[c.bind_rank(r) for r, c in enumerate(codecs)]; "
-            "out = simulate([c.exchange(torch.ones(5), [5], 0, 0, 2) for c in codecs]); "
-            "assert torch.equal(out[0], torch.ones(5)); print('ok')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def _without_horovod(code):
+    """Run ``code`` (which prints ``ok``) in a process where Horovod and mpi4py cannot be imported."""
+    prefix = "import sys; sys.modules['horovod'] = sys.modules['mpi4py'] = None; "
+    done = subprocess.run([sys.executable, "-c", prefix + code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_codec_and_exchange_import_without_horovod_or_mpi4py():
+    _without_horovod("import hvdcomp.codec, hvdcomp.exchange, torch; "
+                     "from hvdcomp.exchange import MaxNormCodec, simulate; from hvdcomp.codec import MaxNormQuantizer; "
+                     "codecs = [MaxNormCodec(MaxNormQuantizer((4,))) for _ in range(2)]; "
+                     "[c.bind_rank(r) for r, c in enumerate(codecs)]; "
+                     "out = simulate([c.exchange(torch.ones(5), [5], 0, 0, 2) for c in codecs]); "
+                     "assert torch.equal(out[0], torch.ones(5)); print('ok')")
+
+
+def test_public_codecs_and_the_ddp_door_need_no_horovod():
+    _without_horovod("import hvdcomp, hvdcomp.ddp, torch; hvdcomp.QSGDMaxNorm(8); "
+                     "codecs = [hvdcomp.QSGDMaxNorm(8), hvdcomp.QSGDMaxNormMultiScale((4, 8), chunk_size=64, seed=1), "
+                     "hvdcomp.GlobalRandKMaxNorm(k=3, error_feedback=False), "
+                     "hvdcomp.GlobalRandKMaxNormMultiScale(ratio=0.5), "
+                     "hvdcomp.QSGDMaxNorm(4, scale='exact', warmup_steps=2, min_compress_numel=0)]; "
+                     "assert [hvdcomp.ddp.resolve_codec(c) for c in codecs] == [c.inner for c in codecs]; "
+                     "assert codecs[-1].warmup_steps == 2 and codecs[0].warmup_steps == 0; "
+                     "half = hvdcomp.FP16(); sent = half.compress(torch.ones(2)); "
+                     "assert half.decompress(*sent).dtype == torch.float32; "
+                     "print('ok')")
 
 
 def test_no_module_over_400_lines():
@@ -96,7 +114,10 @@ def test_codecs_declare_the_contract():
     for codec in (NoCompression(), FP16(), FP16(error_feedback=True), MaxNormCodec(hvdcomp.MaxNormQuantizer((8,)))):
         assert isinstance(codec, ElementwiseCodec) and isinstance(codec, BucketCodec)
     assert isinstance(PowerSGD(), TensorCodec)
-    assert isinstance(hvdcomp.QSGDMaxNorm(4).codec, MaxNormCodec)
+    for public in (hvdcomp.QSGDMaxNorm(4), hvdcomp.QSGDMaxNorm(4, scale="exact"), hvdcomp.QSGDMaxNormMultiScale(),
+                   hvdcomp.GlobalRandKMaxNorm(k=3), hvdcomp.GlobalRandKMaxNormMultiScale(k=3)):
+        assert isinstance(public, ElementwiseCodec) and isinstance(public.max_norm, MaxNormCodec)
+        assert public.inner is public.max_norm or isinstance(public.inner, AheadMaxNorm)
 
     class Incomplete(ElementwiseCodec):  # no state_dict: refused at construction, not found missing later
         def exchange(self, flat, segments, key, step, world_size):

@@ -163,7 +163,7 @@ def test_multi_scale_and_other_dtypes_take_the_other_kernels(monkeypatch):
     x = _gradient(1000, 1)
     groups = quantizer.scale_groups(1000)
     stats = quantizer.local_stats(x, groups)
-    agreed = quantizer.agreed_scales(quantizer.agreement_words(x, stats, groups, 1), 1000, 1)
+    agreed = quantizer.agreed_resolutions(quantizer.agreement_words(x, stats, groups, 1), 1000, 1)
     rng = stream_words(0, 0, "rounding", 0, "m")
     monkeypatch.setattr(native, "encode", None)  # calling it would raise
     words, want = _both(quantizer.encode, x, stats, groups, agreed, 1, 63, rng)

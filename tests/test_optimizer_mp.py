@@ -148,9 +148,9 @@ def _statistics_rows_worker(steps):
                                                  compression=hvdcomp.QSGDMaxNorm(8))
         codec, rows = optimizer._state.codec, []
         if share is not None:
-            codec.stats_share = share
-        choose = codec.stats_rows
-        codec.stats_rows = lambda *args, rows=rows, choose=choose: rows.append(choose(*args)) or rows[-1]
+            codec.scale_share = share
+        choose = codec.scale_rows
+        codec.scale_rows = lambda *args, rows=rows, choose=choose: rows.append(choose(*args)) or rows[-1]
         for x, y in _batches(hvd.rank(), steps):
             optimizer.zero_grad()
             loss = (model(torch.nn.functional.pad(x, (0, 116))) - y).square().mean()

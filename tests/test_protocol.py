@@ -80,7 +80,7 @@ def test_multiscale_takes_min_over_workers():
     groups = quantizer.scale_groups(4)
     stats = torch.maximum(quantizer.local_stats(g0, groups), quantizer.local_stats(g1, groups))
     counts = quantizer.agreement_words(g0, stats, groups, 2) + quantizer.agreement_words(g1, stats, groups, 2)
-    assert quantizer.agreed_scales(counts, 4, 2).tolist() == [2, 0, 0, 1]
+    assert quantizer.agreed_resolutions(counts, 4, 2).tolist() == [2, 0, 0, 1]
 
 
 def test_sparse_rescaled_is_unbiased():
@@ -310,7 +310,7 @@ def test_zero_and_vanishing_groups_round_with_the_scale_floor(bits):
     stats = quantizer.local_stats(flat, groups)
     agreed = None
     if quantizer.multiscale:
-        agreed = quantizer.agreed_scales(quantizer.agreement_words(flat, stats, groups, 1), flat.numel(), 1)
+        agreed = quantizer.agreed_resolutions(quantizer.agreement_words(flat, stats, groups, 1), flat.numel(), 1)
     levels = quantizer.quantize_levels(flat, stats, groups, agreed, stream_words(0, "tiny"))
     assert levels[3:7].tolist() == [0] * 4 and levels[10:].tolist() == [0] * 4
     s = quantizer.coarse_levels

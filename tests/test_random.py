@@ -117,7 +117,7 @@ def test_same_bits_on_gpu():
     assert torch.equal(uniform(4099, words.cuda()).cpu(), uniform(4099, words))
 
 
-def test_codec_state_needs_no_generators_and_old_states_still_load():
+def test_codec_state_needs_no_generators_and_other_layouts_are_refused():
     from hvdcomp.codec.quantize import MaxNormQuantizer
     from hvdcomp.exchange.elementwise import MaxNormCodec
 
@@ -125,6 +125,9 @@ def test_codec_state_needs_no_generators_and_old_states_still_load():
     codec.bind_rank(2)
     assert codec.state_dict() == {"memory": None, "rank": 2}
     restored = MaxNormCodec(MaxNormQuantizer((4,)))
-    restored.load_state_dict({"memory": None, "rank": 2, "generators": {"cpu": torch.Generator().get_state()}})
+    with pytest.raises(ValueError, match="not a MaxNormCodec state"):
+        restored.load_state_dict({"memory": None, "rank": 2, "generators": {"cpu": torch.Generator().get_state()}})
+    assert restored.rank is None
+    restored.load_state_dict(codec.state_dict())
     assert restored.rank == 2
     assert torch.equal(restored.rounding_stream("k", 5, "cpu"), codec.rounding_stream("k", 5, "cpu"))

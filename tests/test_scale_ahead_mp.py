@@ -64,7 +64,7 @@ def test_ahead_scale_in_horovod_is_identical_lossless_and_resumes_exactly():
                 torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     # the first step is the exact exchange (header carriers only), bit-exactly the one-process simulation
     assert all(size == carrier.HEADER for size in original[0][("carrier", 0)])
-    codecs = [hvdcomp.QSGDMaxNorm(BITS).codec for _ in range(world_size)]
+    codecs = [hvdcomp.QSGDMaxNorm(BITS).max_norm for _ in range(world_size)]
     for index in range(3):
         grads = [_grads(rank, 0)[index].reshape(-1) for rank in range(world_size)]
         want = simulate_max_norm(codecs, grads, key=index, word_bits=carrier.word_bits(world_size))[0]
@@ -77,7 +77,7 @@ def test_ahead_scale_in_horovod_is_identical_lossless_and_resumes_exactly():
     assert nan_means[0].isnan().all() and not nan_means[1].isnan().any()
     assert all(r[("warned", NAN_STEP)] for r in original)
     for r in original:
-        before, after = (r[("state", s)]["ahead"]["excess"] for s in (NAN_STEP - 1, NAN_STEP))
+        before, after = (r[("state", s)]["inner"]["agreed"]["excess"] for s in (NAN_STEP - 1, NAN_STEP))
         assert before[0][0].numel() > 0, "the growing gradient must have been clipped before the NaN step"
         assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
     sizes = original[0][("carrier", NAN_STEP + 1)]
@@ -91,7 +91,7 @@ def test_ahead_scale_in_horovod_is_identical_lossless_and_resumes_exactly():
         kept = torch.zeros(total_grad.numel())
         for r in original:
             # called directly, the compressor keys gradients by their position in the step
-            indices_values = r[("state", last)]["ahead"]["excess"].get(index)
+            indices_values = r[("state", last)]["inner"]["agreed"]["excess"].get(index)
             if indices_values is not None:
                 kept.index_add_(0, *indices_values)
         kept = kept.view(total_grad.shape)

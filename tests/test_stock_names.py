@@ -1,6 +1,6 @@
 """The stock hvd.DistributedOptimizer path identifies gradients by Horovod's own names.
 
-``hvdcomp.integrations.stock_names`` reads them from Horovod's frames; these tests fail loudly if the
+``hvdcomp.transport._compat.stock_call`` reads them from Horovod's frames; these tests fail loudly if the
 installed Horovod no longer has the code or locals it reads, and check on the real optimizer (one
 process, then two workers) that state is keyed by name, that each step's gradients are exchanged
 together in synchronize() (one collective per round), and that a parameter used on one rank only
@@ -13,25 +13,28 @@ import textwrap
 
 import pytest
 
-from hvdcomp.integrations import stock_names
+from hvdcomp.transport import _compat
 from tests.harness import run_function
 
 
 def test_the_pinned_horovod_has_the_code_and_locals_read():
-    assert stock_names.HOROVOD_OPTIMIZER_MODULE == "horovod.torch.optimizer"
-    assert None not in (stock_names.SINGLE, stock_names.GROUPED)
-    assert {"self", "p", "name"} <= set(stock_names.SINGLE.co_varnames)
-    assert "compress" in stock_names.SINGLE.co_names and "_parameter_names" in stock_names.SINGLE.co_names
-    comprehension = [c for c in stock_names.GROUPED.co_consts if hasattr(c, "co_varnames")]
-    grouped_names = {n for code in (stock_names.GROUPED, *comprehension) for n in code.co_varnames + code.co_names}
+    import horovod.torch.optimizer
+
+    assert _compat.HOROVOD_OPTIMIZER_MODULE == horovod.torch.optimizer.__name__
+    single, grouped = _compat.stock_codes()
+    assert None not in (single, grouped)
+    assert {"self", "p", "name"} <= set(single.co_varnames)
+    assert "compress" in single.co_names and "_parameter_names" in single.co_names
+    comprehension = [c for c in grouped.co_consts if hasattr(c, "co_varnames")]
+    grouped_names = {n for code in (grouped, *comprehension) for n in code.co_varnames + code.co_names}
     assert {"self", "p", "compress"} <= grouped_names
 
 
 def test_calls_from_elsewhere_are_not_identified_and_unknown_horovod_code_fails_loudly():
-    assert stock_names.stock_call(sys._getframe()) is None
-    namespace = {"__name__": stock_names.HOROVOD_OPTIMIZER_MODULE, "sys": sys, "stock_call": stock_names.stock_call}
+    assert _compat.stock_call(sys._getframe()) is None
+    namespace = {"__name__": _compat.HOROVOD_OPTIMIZER_MODULE, "sys": sys, "stock_call": _compat.stock_call}
     exec(compile("def compress_site():\n    return stock_call(sys._getframe())\n", "<horovod>", "exec"), namespace)
-    with pytest.raises(RuntimeError, match="compress was called from compress_site.*Horovod 0.28.1"):
+    with pytest.raises(RuntimeError, match="compress was called from compress_site.*Horovod >=0.28.1,<0.29"):
         namespace["compress_site"]()
 
 
@@ -51,7 +54,7 @@ _ONE_PROCESS = textwrap.dedent("""
                                                  compression=compression, groups=groups)
         finally:
             del os.environ["HOROVOD_ELASTIC"]
-        transport, calls = compression.transport, []
+        transport, calls = compression.stock().transport, []
         collective = transport.collective
         transport.collective = lambda op, t: calls.append((op.name, t.numel())) or collective(op, t)
         for step in range(2):
@@ -59,8 +62,8 @@ _ONE_PROCESS = textwrap.dedent("""
             head = model["h1"] if step == 0 else model["h2"]
             head(torch.tanh(model["trunk"](torch.ones(4, 3)))).sum().backward()
             optimizer.step()
-        memory = compression.codec.memory
-        return {"steps": compression._steps, "calls": calls,
+        memory = compression.max_norm.memory
+        return {"steps": compression.stock().state_dict()["steps"], "calls": calls,
                 "memory": None if memory is None else sorted(memory.state_dict()["residuals"])}
 
     class Logged(hvdcomp.QSGDMaxNorm):  # a user's wrapper around compress must keep Horovod's names
@@ -173,7 +176,7 @@ _RESUME = textwrap.dedent("""
     compression2.load_state_dict(checkpoint["compression"])
     train(resumed, optimizer2, 3, 3)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
-    sys.stdout.buffer.write(pickle.dumps({"same": same, "steps": compression2._steps}))
+    sys.stdout.buffer.write(pickle.dumps({"same": same, "steps": compression2.stock().state_dict()["steps"]}))
 """)
 
 

@@ -54,7 +54,8 @@ def _worker():
 
     for exchange, hierarchical in (("two_stage", False), ("two_stage", True), ("auto", False)):
         net = model()
-        with hvdcomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), compression=hvdcomp.QSGDMaxNorm(6),
+        with hvdcomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                          compression=hvdcomp.QSGDMaxNorm(6, scale="exact"),
                                           hierarchical=hierarchical, exchange=exchange) as optimizer:
             step(net, optimizer, 0)
             out[(exchange, hierarchical)] = {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),

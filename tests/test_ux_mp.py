@@ -107,7 +107,7 @@ def _warmup_worker():
         """Parameters, compression ratio and codec state (its repr, and the stock step counts) after each step."""
         model = _model()
         optimizer = make(model)
-        codec = getattr(compressor, "codec", compressor)
+        codec = getattr(compressor, "inner", compressor)
         stats = getattr(optimizer, "stats", getattr(compressor, "stats", None))
         params, ratios, codec_states = [], [], []
         for step in range(steps):
@@ -115,8 +115,9 @@ def _warmup_worker():
             params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
             last = stats.last_step if stats is not None else None
             ratios.append(None if last is None else last.uncompressed_bytes / last.inter_node_bytes)
-            codec_states.append(None if codec is None else (repr(codec.state_dict()),
-                                                            dict(getattr(compressor, "_steps", {}))))
+            stock = (compressor.stock().state_dict()["steps"] if isinstance(compressor, hvdcomp.MaxNormCompressor)
+                     else {})
+            codec_states.append(None if codec is None else (repr(codec.state_dict()), stock))
         if hasattr(optimizer, "close"):
             optimizer.close()
         return params, ratios, codec_states

@@ -14,7 +14,7 @@
 - ``seeding`` and ``validate``: shared seeds and argument checks for every layer.
 
 Layers above: ``hvdcomp.exchange`` (protocols of collective requests built on this math),
-``hvdcomp.transport`` (Horovod, MPI) and ``hvdcomp.integrations`` (optimizers, Horovod compressors).
+``hvdcomp.transport`` (Horovod, MPI) and ``hvdcomp.integrations`` (optimizers, the public codecs).
 """
 
 from .carrier import CarrierMismatchError

@@ -4,7 +4,7 @@ A max-norm exchange with its scale agreed ahead quantizes with the scale ``M`` e
 the tensor's previous exchange, so it needs no MAX round before its payload. An element above ``M`` is
 sent as ``sign(x) * M`` and its excess ``x - sign(x) * M`` stays with this worker, added to the tensor's
 next values (delayed, never lost). ``AgreedScales`` keeps both per key; the protocols that carry the
-next scale live above (``hvdcomp.exchange.ahead``, ``hvdcomp.integrations.scale_ahead``).
+next scale live above (``hvdcomp.exchange.ahead``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .quantize import MaxNormQuantizer
 
 
 class AgreedScales:
-    """Per key: the agreed stats (float32 ``[G + 1]``: a scale per group, then 0) for an exchange of
+    """Per key: the agreed scale_stats (float32 ``[G + 1]``: a scale per group, then 0) for an exchange of
     ``numel`` elements over ``W`` workers, and the clipped excess (int64 indices, float32 values)."""
 
     def __init__(self) -> None:
@@ -27,8 +27,8 @@ class AgreedScales:
         self._work: dict[Hashable, torch.Tensor] = {}  # values + excess, reused every step
 
     def scales(self, key: Hashable, numel: int, world_size: int, groups: int) -> torch.Tensor | None:
-        """The stats agreed for ``key``'s exchange of ``numel`` elements over ``world_size`` workers in ``groups``
-        scale groups, or None (also where the agreed stats do not have ``groups + 1`` values: e.g. state saved
+        """The scale_stats agreed for ``key``'s exchange of ``numel`` elements over ``world_size`` workers in ``groups``
+        scale groups, or None (also where the agreed scale_stats do not have ``groups + 1`` values: e.g. state saved
         with another ``chunk_size``)."""
         agreed = self._scales.get(key)
         if agreed is None or agreed[:2] != (numel, world_size) or agreed[2].shape != (groups + 1,):
@@ -54,16 +54,16 @@ class AgreedScales:
         if MaxNormQuantizer.saw_nonfinite(reduced):
             self._scales.pop(key, None)
             return False
-        stats = torch.cat([reduced[:-1].float(), reduced.new_zeros(1, dtype=torch.float32)])
-        self._scales[key] = (numel, world_size, stats)
+        scale_stats = torch.cat([reduced[:-1].float(), reduced.new_zeros(1, dtype=torch.float32)])
+        self._scales[key] = (numel, world_size, scale_stats)
         return True
 
     @staticmethod
-    def clipped(values: torch.Tensor, local: torch.Tensor, stats: torch.Tensor,
+    def clipped(values: torch.Tensor, local: torch.Tensor, scale_stats: torch.Tensor,
                 groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 indices, float32 excess beyond the agreed scale) of the elements of flat ``values`` above
-        it; ``local`` is ``values``'s own ``local_stats``, ``stats`` the agreed ones, over ``groups``."""
-        scales = stats[:-1]
+        it; ``local`` is ``values``'s own ``local_stats``, ``scale_stats`` the agreed ones, over ``groups``."""
+        scales = scale_stats[:-1]
         if not bool((local[:-1] > scales).any()):
             return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
         limit = scales if groups.numel() <= 1 else scales.repeat_interleave(groups.to(values.device))
@@ -81,9 +81,31 @@ class AgreedScales:
 
     def state_dict(self) -> dict[str, Any]:
         """The agreed scales and the excess memory (what a resumed run needs to continue exactly)."""
-        return {"scales": {key: (numel, size, stats.clone()) for key, (numel, size, stats) in self._scales.items()},
+        return {"scales": {key: (numel, size, scales.clone()) for key, (numel, size, scales) in self._scales.items()},
                 "excess": {key: (indices.clone(), values.clone()) for key, (indices, values) in self._excess.items()}}
 
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """``ValueError`` unless ``state`` is a ``state_dict()``: per key ``(numel, world_size, scales)`` with finite,
+        non-negative float32 scales ending in a 0 flag, and ``(indices, excess)`` of int64 indices and as many finite
+        values."""
+        if not isinstance(state, dict) or set(state) != {"scales", "excess"}:
+            raise ValueError(f"not an agreed-scale state: {state!r:.200}")
+        for key, (_, _, scale_stats) in state["scales"].items():
+            if (not isinstance(scale_stats, torch.Tensor) or scale_stats.dtype != torch.float32
+                    or scale_stats.dim() != 1 or not scale_stats.numel()):
+                raise ValueError(f"the agreed scales of {key!r} are not a float32 vector: {scale_stats!r:.200}")
+            if not bool(torch.isfinite(scale_stats).all()) or bool((scale_stats < 0).any()) or scale_stats[-1] != 0:
+                raise ValueError(f"the agreed scales of {key!r} are not finite, non-negative and flagged finite: "
+                                 f"{scale_stats.tolist()[:8]}")
+        for key, (indices, values) in state["excess"].items():
+            if indices.dtype != torch.int64 or indices.dim() != 1 or indices.shape != values.shape:
+                raise ValueError(f"the clipped excess of {key!r} has {indices.dtype} indices {tuple(indices.shape)} "
+                                 f"and values {tuple(values.shape)}")
+            if not bool(torch.isfinite(values).all()):
+                raise ValueError(f"the clipped excess of {key!r} is not finite")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scales = {key: (numel, size, stats.clone()) for key, (numel, size, stats) in state["scales"].items()}
+        self.check_state(state)
+        self._scales = {key: (numel, size, scales.clone()) for key, (numel, size, scales) in state["scales"].items()}
         self._excess = {key: (indices.clone(), values.clone()) for key, (indices, values) in state["excess"].items()}

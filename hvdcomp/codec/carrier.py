@@ -16,12 +16,12 @@ checks that every worker agreed: same world size, and the same ``tag`` (a hash o
 configuration, tensor and step) — equal means of ``tag`` and ``tag**2`` imply all tags are equal.
 Any mismatch raises ``CarrierMismatchError``.
 
-The stock-optimizer compressors (``hvdcomp.integrations.compressors``) send carriers without words,
-as headers only (their payload travels as int64 in a batched exchange); the words are for carrying
-packed values through a float reduction. The blocking MAX rounds before the payload get the same
-check through a *stamp*: ``stamp`` appends ``[tag, -tag]`` to the request, and after the MAX
-``unstamp`` reads back ``max(tag)`` and ``-min(tag)``, equal to this worker's tag on every worker
-only if all tags are equal.
+On the stock optimizer's path (``hvdcomp.integrations.stock``), exact exchanges send carriers without
+words, as headers only (their payload travels as int64 in a batched exchange); the words carry the packed
+values of an exchange with its scale agreed ahead through Horovod's float reduction. The blocking MAX rounds
+before the payload get the same check through a *stamp*: ``stamp`` appends ``[tag, -tag]`` to the request,
+and after the MAX ``unstamp`` reads back ``max(tag)`` and ``-min(tag)``, equal to this worker's tag on every
+worker only if all tags are equal.
 """
 
 from __future__ import annotations

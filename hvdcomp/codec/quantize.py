@@ -4,9 +4,9 @@ Pure tensor math, no collectives. One exchange of a W-worker reduction goes:
 
 1. ``local_stats(x, groups)`` on every worker, reduced with **MAX** -> a shared scale ``M`` per group
    of elements (``scale_groups``: per tensor or per chunk) and a flag that some worker saw NaN/Inf;
-2. (multi-scale only) ``agreement_words(x, stats, groups)``, reduced with **SUM** -> ``agreed_scales``:
+2. (multi-scale only) ``agreement_words(x, scale_stats, groups)``, reduced with **SUM** -> ``agreed_resolutions``:
    per element the finest resolution that every worker can represent;
-3. ``encode(x, stats, groups, agreed)``, reduced with **SUM** -> ``decode(...)`` = mean over the
+3. ``encode(x, scale_stats, groups, agreed)``, reduced with **SUM** -> ``decode(...)`` = mean over the
    workers of their dequantized values.
 
 Each worker's level for an element ``x`` at resolution ``s`` is ``sign(x) * floor(|x| * (s / M) + U)``,
@@ -143,27 +143,27 @@ class MaxNormQuantizer:
         """
         flat = x.detach().reshape(-1)
         _check_groups(groups, flat.numel())
-        stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
+        scale_stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
         if _few_long_groups(groups, flat.numel()):
             for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
-                torch.maximum(-low, high, out=stats[group])
-            if bool(torch.isfinite(stats[:-1]).all()):  # else a group holds NaN/Inf: redo it exactly below
+                torch.maximum(-low, high, out=scale_stats[group])
+            if bool(torch.isfinite(scale_stats[:-1]).all()):  # else a group holds NaN/Inf: redo it exactly below
                 if finite is not None:
-                    stats[-1] = (~finite).float()
-                return stats
+                    scale_stats[-1] = (~finite).float()
+                return scale_stats
         mags = flat.abs().float()
         nonfinite = ~(torch.isfinite(mags).all() if finite is None else finite)
         mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
         if groups.numel():
             # unsafe: skips torch's own check of the lengths, which _check_groups made above
-            stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)
-        stats[-1] = nonfinite.float()
-        return stats
+            scale_stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)
+        scale_stats[-1] = nonfinite.float()
+        return scale_stats
 
     @staticmethod
-    def saw_nonfinite(stats: torch.Tensor) -> bool:
+    def saw_nonfinite(scale_stats: torch.Tensor) -> bool:
         """Whether any worker's tensor held NaN/Inf, from the MAX-reduced ``local_stats``."""
-        return bool(stats[-1].item() > 0)
+        return bool(scale_stats[-1].item() > 0)
 
     def _per_element(self, per_group: torch.Tensor, groups: torch.Tensor, numel: int,
                      size: int | None = None) -> torch.Tensor:
@@ -186,30 +186,30 @@ class MaxNormQuantizer:
         return out
 
     @staticmethod
-    def _scales(stats: torch.Tensor) -> torch.Tensor:
+    def _scales(scale_stats: torch.Tensor) -> torch.Tensor:
         """float32 per group: the scale ``M`` rounding uses, the MAX-reduced maximum or ``SCALE_FLOOR``."""
-        return stats[:-1].clamp(min=SCALE_FLOOR)
+        return scale_stats[:-1].clamp(min=SCALE_FLOOR)
 
-    def _encode_units(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
+    def _encode_units(self, scale_stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None,
                       numel: int) -> torch.Tensor:
         """float32 ``[numel]``: the factor to levels, ``s / M`` per element (``s`` the agreed resolution's)."""
         if agreed is None:
             if self.multiscale:
                 raise ValueError("multi-scale encode/decode needs the agreed resolutions")
-            return self._per_element(float(self.coarse_levels) / self._scales(stats), groups, numel)
-        inverse = self._per_element(1.0 / self._scales(stats), groups, numel)
+            return self._per_element(float(self.coarse_levels) / self._scales(scale_stats), groups, numel)
+        inverse = self._per_element(1.0 / self._scales(scale_stats), groups, numel)
         return _times_levels(inverse, agreed, self.levels)
 
-    def _decode_units(self, stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None, numel: int,
+    def _decode_units(self, scale_stats: torch.Tensor, groups: torch.Tensor, agreed: torch.Tensor | None, numel: int,
                       world_size: int, size: int) -> torch.Tensor:
         """float32 ``[size]``: the factor from summed levels to the mean, ``M / (s W)`` per element (0 past
         ``numel``)."""
         if agreed is None:
             if self.multiscale:
                 raise ValueError("multi-scale encode/decode needs the agreed resolutions")
-            return self._per_element(self._scales(stats) / float(self.coarse_levels * world_size), groups, numel,
+            return self._per_element(self._scales(scale_stats) / float(self.coarse_levels * world_size), groups, numel,
                                      size)
-        units = self._per_element(self._scales(stats) / float(world_size), groups, numel, size).contiguous()
+        units = self._per_element(self._scales(scale_stats) / float(world_size), groups, numel, size).contiguous()
         _divide_by_levels(units[:numel], agreed, self.levels)  # in place (a scratch buffer or a fresh one)
         return units
 
@@ -221,7 +221,7 @@ class MaxNormQuantizer:
     def agreement_words(
         self,
         x: torch.Tensor,
-        stats: torch.Tensor,
+        scale_stats: torch.Tensor,
         groups: torch.Tensor,
         world_size: int,
         word_bits: int = INT64_WORD_BITS,
@@ -229,11 +229,11 @@ class MaxNormQuantizer:
         """int64 words of "resolution j fits" bits for j = 2..L (element-major per j). Reduce with SUM."""
         if not self.multiscale:
             raise RuntimeError("agreement is only needed with several resolutions")
-        inverse = self._per_element(1.0 / self._scales(stats), groups, x.numel())
+        inverse = self._per_element(1.0 / self._scales(scale_stats), groups, x.numel())
         shifts = self.agreement_layout(world_size, word_bits).lane_shifts(x.device)
         return _agreement_words(x.reshape(-1), inverse, self.levels, shifts)
 
-    def agreed_scales(
+    def agreed_resolutions(
         self, word_sums: torch.Tensor, numel: int, world_size: int, word_bits: int = INT64_WORD_BITS
     ) -> torch.Tensor:
         """float32 ``[numel]``: index of the finest resolution every worker can represent (integer values;
@@ -251,26 +251,26 @@ class MaxNormQuantizer:
     def payload_layout(self, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
         return LaneLayout.for_levels(self.coarse_levels, world_size, word_bits)
 
-    def maxima(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
+    def maxima(self, scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 ``[numel]``: each element's shared maximum as reduced (0 for an all-zero group; not floored
         at ``SCALE_FLOOR``); valid until the quantizer's next per-element call."""
-        return self._per_element(stats[:-1], groups, numel)
+        return self._per_element(scale_stats[:-1], groups, numel)
 
-    def step_sizes(self, stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
+    def step_sizes(self, scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 ``[numel]``: ``M / s`` per element, one level's worth (single resolution)."""
-        return self._per_element(self._scales(stats), groups, numel) / float(self.coarse_levels)
+        return self._per_element(self._scales(scale_stats), groups, numel) / float(self.coarse_levels)
 
-    def quantize_levels(self, x: torch.Tensor, stats: torch.Tensor, groups: torch.Tensor,
+    def quantize_levels(self, x: torch.Tensor, scale_stats: torch.Tensor, groups: torch.Tensor,
                         agreed: torch.Tensor | None, rng: torch.Tensor) -> torch.Tensor:
         """int64 ``[numel]``: this worker's signed levels in ``[-s_1, s_1]`` (finite ``x`` only), rounded with
         the stream words ``rng`` as ``encode`` rounds them (unpacked: for exchanges that pack differently)."""
-        units = self._encode_units(stats, groups, agreed, x.numel())
+        units = self._encode_units(scale_stats, groups, agreed, x.numel())
         return _signed_levels(x.reshape(-1), units, self.coarse_levels, rng.to(x.device))
 
     def encode(
         self,
         x: torch.Tensor,
-        stats: torch.Tensor,
+        scale_stats: torch.Tensor,
         groups: torch.Tensor,
         agreed: torch.Tensor | None,
         world_size: int,
@@ -287,12 +287,12 @@ class MaxNormQuantizer:
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
-        _check_stats(stats, groups, x.numel())
+        _check_stats(scale_stats, groups, x.numel())
         layout = self.payload_layout(world_size, word_bits)
         if agreed is None and not self.multiscale and native.usable(x):
-            return native.encode(x, groups, float(coarse) / self._scales(stats), coarse, layout.lanes_per_word,
+            return native.encode(x, groups, float(coarse) / self._scales(scale_stats), coarse, layout.lanes_per_word,
                                  layout.lane_width, rng, out)
-        units = self._encode_units(stats, groups, agreed, x.numel())
+        units = self._encode_units(scale_stats, groups, agreed, x.numel())
         shifts = layout.lane_shifts(x.device)
         words = in_lane_blocks(x.numel(), shifts,
                                lambda end, block_out: _encode_blocks(x[:end], units[:end], coarse, shifts, rng,
@@ -303,7 +303,7 @@ class MaxNormQuantizer:
     def decode(
         self,
         word_sums: torch.Tensor,
-        stats: torch.Tensor,
+        scale_stats: torch.Tensor,
         groups: torch.Tensor,
         agreed: torch.Tensor | None,
         numel: int,
@@ -318,14 +318,15 @@ class MaxNormQuantizer:
         layout = self.payload_layout(world_size, word_bits)
         if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
-        _check_stats(stats, groups, numel)
+        _check_stats(scale_stats, groups, numel)
         if agreed is None and not self.multiscale and native.usable(word_sums, torch.int64):
-            factors = self._scales(stats) / float(self.coarse_levels * world_size)
+            factors = self._scales(scale_stats) / float(self.coarse_levels * world_size)
             size = word_sums.numel() * layout.lanes_per_word
             means = None if buffers is None else buffers.take(key, size, torch.float32, word_sums.device)
             return native.decode(word_sums, groups, factors, layout.lanes_per_word, layout.lane_width,
                                  layout.offset * world_size, means)[:numel]
-        units = self._decode_units(stats, groups, agreed, numel, world_size, word_sums.numel() * layout.lanes_per_word)
+        size = word_sums.numel() * layout.lanes_per_word
+        units = self._decode_units(scale_stats, groups, agreed, numel, world_size, size)
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                              layout.offset * world_size, units)
         return means[:numel]
@@ -337,13 +338,13 @@ def _check_groups(groups: torch.Tensor, numel: int) -> None:
         raise ValueError(f"scale groups {groups.tolist()[:8]}... do not split {numel} elements")
 
 
-def _check_stats(stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
-    """Raise ``ValueError`` unless ``stats`` has a scale per group and the nonfinite flag, the groups splitting
-    ``numel`` elements."""
+def _check_stats(scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
+    """Raise ``ValueError`` unless ``scale_stats`` has a scale per group and the nonfinite flag, the groups
+    splitting ``numel`` elements."""
     _check_groups(groups, numel)
-    if stats.shape != (groups.numel() + 1,):
-        raise ValueError(f"stats of shape {tuple(stats.shape)} do not fit {groups.numel()} scale groups (want "
-                         f"[{groups.numel() + 1}]: a scale per group, then the nonfinite flag)")
+    if scale_stats.shape != (groups.numel() + 1,):
+        raise ValueError(f"scale_stats of shape {tuple(scale_stats.shape)} do not fit {groups.numel()} scale groups "
+                         f"(want [{groups.numel() + 1}]: a scale per group, then the nonfinite flag)")
 
 
 def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:
@@ -363,7 +364,7 @@ def _agreement_words_eager(x: torch.Tensor, inverse: torch.Tensor, levels: tuple
 
 def _all_fit_eager(word_sums: torch.Tensor, shifts: torch.Tensor, mask: int, world_size: int) -> torch.Tensor:
     """float32 ``[words * L]``: 1.0 where every worker's bit is set, for every lane of every word (the padding
-    included: ``agreed_scales`` cuts it off outside the kernel, which keeps the loop over whole words)."""
+    included: ``agreed_resolutions`` cuts it off outside the kernel, which keeps the loop over whole words)."""
     lanes = word_sums.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(mask)
     return (lanes == world_size).to(torch.float32).view(-1)
 

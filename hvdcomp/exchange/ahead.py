@@ -14,14 +14,15 @@ buckets. Requests:
   SUM gathers every worker's row exactly and the maximum over the rows is the MAX, bit for bit. One collective
   per bucket instead of two, whose small MAX waited its turn behind the payloads in Horovod's queue and took 2
   to 10 ms each on the emulated cluster. The rows are used while they are at most 1/64 of the payload's words
-  (``stats_share``; many small scale groups and many workers take the MAX);
+  (``scale_share``; many small scale groups and many workers take the MAX). In a float carrier
+  (``carrier_bits``: Horovod's stock optimizer reduces nothing else) the rows always ride in the payload;
 - without one (a bucket's first exchange, a new size or world size, a resumed state without one, the
   step after a NaN/Inf): the exact exchange of ``MaxNormCodec`` (``Op.MAX`` then ``Op.PAYLOAD``), whose
   MAX seeds the agreed scale.
 
 An element above the agreed scale ``M`` is sent as ``sign(x) * M`` and its excess stays in this worker's
 memory, added to the bucket's next values (``hvdcomp.codec.agreed``): delayed, never lost. Bias and
-variance are those of the stock path's ``scale="ahead"`` (``hvdcomp.integrations.scale_ahead``). If any
+variance are those of ``hvdcomp.QSGDMaxNorm``'s ``scale="ahead"`` (``hvdcomp.integrations.codecs``). If any
 worker's values hold NaN/Inf, every worker learns it from the MAX after the payload and returns all-NaN,
 with a warning; the excess memory is left as it was and the next exchange is exact.
 """
@@ -41,26 +42,26 @@ from .protocol import Exchange, Op, relay
 
 
 class AheadMaxNorm(ElementwiseCodec):
-    """``lanes`` (one resolution, every coordinate) with the scale agreed one exchange ahead (see the module
-    docstring). Its rounding streams, rank and configuration are ``lanes``'s.
+    """``inner`` (one resolution, every coordinate) with the scale agreed one exchange ahead (see the module
+    docstring). Its rounding streams, rank and configuration are ``inner``'s.
 
     Buckets of 8 MiB (``bucket_mb``) keep encode and decode in step with the wire: less of both runs before the
     first payload leaves and after the last one arrives (2 nodes at 1 Gbit/s, ResNet-50: QSGD 8 0.309 to 0.318 s
     against 0.332 to 0.338 s with 25 MiB and 0.322 to 0.348 s with 4 MiB)."""
 
     bucket_mb = 8.0
-    stats_share = 64  # statistics rows ride in the payload while at most 1/stats_share of its words
+    scale_share = 64  # statistics rows ride in the payload while at most 1/scale_share of its words
 
-    def __init__(self, lanes: MaxNormCodec) -> None:
-        if lanes.quantizer.multiscale or lanes.selector is not None:
+    def __init__(self, inner: MaxNormCodec) -> None:
+        if inner.quantizer.multiscale or inner.selector is not None:
             raise ValueError("a scale agreed ahead needs a single resolution and every coordinate (QSGDMaxNorm): "
                              "the multi-scale agreement and shared coordinates take the exact exchange")
-        self.lanes = lanes
+        self.inner = inner
         self.memory = AgreedScales()
         self.workers: int | None = None  # the bound transport's worker count
 
     def bind_rank(self, rank: int) -> None:
-        self.lanes.bind_rank(rank)
+        self.inner.bind_rank(rank)
 
     def bind_transport(self, transport: Any) -> None:
         """Binds the rank, and the transport's worker count: exchanges over all of them carry their statistics
@@ -68,60 +69,66 @@ class AheadMaxNorm(ElementwiseCodec):
         super().bind_transport(transport)
         self.workers = transport.size
 
-    def stats_rows(self, world_size: int, stats: int, words: int) -> int:
-        """int64 words of statistics rows in the payload of an exchange over ``world_size`` workers with ``stats``
-        statistics and ``words`` words of levels: ``world_size * stats``, or 0 (a separate ``Op.MAX``)."""
-        rows = world_size * stats
-        return rows if world_size == self.workers and rows * self.stats_share <= words else 0
+    def scale_rows(self, world_size: int, count: int, words: int, carried: bool = False) -> int:
+        """int64 words of statistics rows in the payload of an exchange over ``world_size`` workers with ``count``
+        statistics and ``words`` words of levels: ``world_size * count`` (always in a float carrier: ``carried``),
+        or 0 (a separate ``Op.MAX``)."""
+        rows = world_size * count
+        return rows if carried or (world_size == self.workers and rows * self.scale_share <= words) else 0
 
     @property
     def reuses_result(self) -> bool:
-        """False: every result is a decode's new tensor (``lanes`` has no selector)."""
+        """False: every result is a decode's new tensor (``inner`` has no selector)."""
         return False
 
     def config(self) -> tuple:
-        """What every worker must share: ``lanes``'s configuration, and that the scale is agreed ahead."""
-        return (*self.lanes.config(), "ahead")
+        """What every worker must share: ``inner``'s configuration, and that the scale is agreed ahead."""
+        return (*self.inner.config(), "ahead")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
-                 word_bits: int = INT64_WORD_BITS) -> Exchange:
-        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory."""
+                 word_bits: int = INT64_WORD_BITS, carrier_bits: int | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory. ``word_bits``: the
+        usable bits of the exact exchange's payload words. ``carrier_bits``: with an agreed scale, the payload is
+        words of that many bits for a float carrier (``hvdcomp.codec.carrier``) with the statistics rows always in
+        it, and no request follows it; default: int64 words, the rows as ``scale_rows`` says."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
-        return self._exchange(flat, layout, key, step, world_size, word_bits)
+        return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits)
 
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
-                  word_bits: int) -> Exchange:
-        memory, quantizer = self.memory, self.lanes.quantizer
+                  word_bits: int, carrier_bits: int | None) -> Exchange:
+        memory, quantizer = self.memory, self.inner.quantizer
         numel = flat.numel()
         values = memory.with_excess(key, flat)
         groups = quantizer.scale_groups(numel, layout)
-        stats = memory.scales(key, numel, world_size, groups.numel())
-        if stats is None:
+        scale_stats = memory.scales(key, numel, world_size, groups.numel())
+        if scale_stats is None:
             def seed(op: Op, reduced: torch.Tensor) -> torch.Tensor:
                 if op is Op.MAX and memory.agree(key, numel, world_size, reduced):
                     memory.keep_excess(key, None)  # this exchange sends it
                 return reduced
 
-            exact = self.lanes.exchange(values, layout, key, step, world_size, word_bits)
+            exact = self.inner.exchange(values, layout, key, step, world_size, word_bits)
             return (yield from relay(exact, lambda op, tensor: (op, tensor), seed))
 
         local = quantizer.local_stats(values, groups)
         finite = not quantizer.saw_nonfinite(local)
         if not finite:
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        excess = memory.clipped(values, local, stats, groups) if finite else None
-        rounding = self.lanes.rounding_stream(key, step, flat.device)
+        excess = memory.clipped(values, local, scale_stats, groups) if finite else None
+        rounding = self.inner.rounding_stream(key, step, flat.device)
+        carried = carrier_bits is not None
+        word_bits = carrier_bits if carried else word_bits
         words = lane_block_words(numel, quantizer.payload_layout(world_size, word_bits).lanes_per_word)
-        rows = self.stats_rows(world_size, local.numel(), words)
-        payload = self.lanes.buffers.take((key, "payload"), words + rows, torch.int64, flat.device)
-        quantizer.encode(values, stats, groups, None, world_size, word_bits, rounding, payload[:words])
+        rows = self.scale_rows(world_size, local.numel(), words, carried)
+        payload = self.inner.buffers.take((key, "payload"), words + rows, torch.int64, flat.device)
+        quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words])
         if rows:  # this worker's row: the bits of its float32 statistics (non-negative, below 2**31)
-            payload[words:].zero_().view(world_size, -1)[self.lanes.rank] = local.view(torch.int32)
+            payload[words:].zero_().view(world_size, -1)[self.inner.rank] = local.view(torch.int32)
         sums = yield Op.PAYLOAD, payload
-        mean = quantizer.decode(sums[:words], stats, groups, None, numel, world_size, word_bits, self.lanes.buffers,
-                                key)
+        mean = quantizer.decode(sums[:words], scale_stats, groups, None, numel, world_size, word_bits,
+                                self.inner.buffers, key)
         if rows:  # each column summed one worker's bits and zeros: every row exactly, and their maximum
             reduced = sums[words:].to(torch.int32).view(torch.float32).view(world_size, -1).amax(dim=0)
         else:
@@ -133,13 +140,19 @@ class AheadMaxNorm(ElementwiseCodec):
         return mean
 
     def state_dict(self) -> dict[str, Any]:
-        """``lanes``'s state, the agreed scales and the excess memory."""
-        return {"lanes": self.lanes.state_dict(), "agreed": self.memory.state_dict()}
+        """``inner``'s state, the agreed scales and the excess memory."""
+        return {"inner": self.inner.state_dict(), "agreed": self.memory.state_dict()}
+
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` unless ``state`` is a ``state_dict()`` of a codec configured as this one (a
+        ``MaxNormCodec``'s, saved with ``scale="exact"``, is not)."""
+        if not isinstance(state, dict) or set(state) != {"inner", "agreed"}:
+            raise ValueError(f"not an AheadMaxNorm state: {state!r:.200} (a state saved with scale='exact' loads "
+                             "with scale='exact')")
+        self.inner.check_state(state["inner"])
+        AgreedScales.check_state(state["agreed"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads ``state_dict()``'s output, or a ``MaxNormCodec``'s (saved with ``scale="exact"``): then no scale
-        is agreed yet and each bucket's next exchange is exact."""
-        if "agreed" not in state:
-            state = {"lanes": state, "agreed": AgreedScales().state_dict()}
-        self.lanes.load_state_dict(state["lanes"])
+        self.check_state(state)
+        self.inner.load_state_dict(state["inner"])
         self.memory.load_state_dict(state["agreed"])

@@ -55,6 +55,14 @@ class NoCompression(ElementwiseCodec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Horovod's ``Compression.none`` for its stock optimizer: ``tensor`` as it is, no context."""
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, ctx: None) -> torch.Tensor:
+        """The reduced ``tensor`` as it is."""
+        return tensor
+
 
 class FP16(ElementwiseCodec):
     """Float16 sum over the workers (Horovod's fp16 compression), 16 bits per element on the wire.
@@ -132,6 +140,18 @@ class FP16(ElementwiseCodec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.memory is not None:
             self.memory.load_state_dict(state)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """Horovod's ``Compression.fp16`` for its stock optimizer: a floating-point ``tensor`` cast to float16 (others
+        as they are), and its dtype as the context. Error feedback needs the bucket exchange: ``TypeError``."""
+        if self.memory is not None:
+            raise TypeError("FP16(error_feedback=True) needs whole buckets: use hvdcomp.DistributedOptimizer or "
+                            "hvdcomp.ddp, or FP16() in Horovod's optimizer")
+        return (tensor.to(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
+        """The reduced float16 ``tensor`` back in its dtype ``ctx``."""
+        return tensor.to(ctx) if ctx.is_floating_point else tensor
 
 
 class MaxNormCodec(ElementwiseCodec):
@@ -241,8 +261,8 @@ class MaxNormCodec(ElementwiseCodec):
             values, finite = gather(flat, indices, residual)  # the NaN/Inf flag covers all of flat
         groups = quantizer.scale_groups(values.numel(), segments)
 
-        stats = yield Op.MAX, quantizer.local_stats(values, groups, finite)
-        nonfinite = quantizer.saw_nonfinite(stats)
+        scale_stats = yield Op.MAX, quantizer.local_stats(values, groups, finite)
+        nonfinite = quantizer.saw_nonfinite(scale_stats)
         if nonfinite:
             warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
@@ -251,11 +271,11 @@ class MaxNormCodec(ElementwiseCodec):
 
         agreed = None
         if quantizer.multiscale:
-            counts = yield Op.SUM, quantizer.agreement_words(values, stats, groups, world_size)
-            agreed = quantizer.agreed_scales(counts, values.numel(), world_size)
+            counts = yield Op.SUM, quantizer.agreement_words(values, scale_stats, groups, world_size)
+            agreed = quantizer.agreed_resolutions(counts, values.numel(), world_size)
 
-        word_sums = yield Op.PAYLOAD, quantizer.encode(values, stats, groups, agreed, world_size, word_bits, rng)
-        mean = quantizer.decode(word_sums, stats, groups, agreed, values.numel(), world_size, word_bits,
+        word_sums = yield Op.PAYLOAD, quantizer.encode(values, scale_stats, groups, agreed, world_size, word_bits, rng)
+        mean = quantizer.decode(word_sums, scale_stats, groups, agreed, values.numel(), world_size, word_bits,
                                 self.buffers if indices is None else None, key)
         if indices is not None:
             mean = scatter(mean, indices, self._result_buffer(key, flat), factor)  # factor: None with error feedback
@@ -267,20 +287,15 @@ class MaxNormCodec(ElementwiseCodec):
         """Error-feedback memory and the rank (the rounding streams are stateless)."""
         return {"memory": None if self.memory is None else self.memory.state_dict(), "rank": self.rank}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads ``state_dict()``'s output. A state saved before the counter-based streams also holds
-        ``"generators"`` (torch.Generator states): they are ignored, as the streams need no state; rounding
-        after such a resume is drawn afresh, identically distributed. A state saved with the scale agreed
-        ahead (``AheadMaxNorm``) loads its codec part; what its workers still owed from clipping is dropped,
-        with a warning."""
-        if "agreed" in state:
-            if state["agreed"]["excess"]:
-                warnings.warn("hvdcomp: this state was saved with scale='ahead' and is loaded with scale='exact': "
-                              "the excess its workers clipped and had not sent yet is dropped", RuntimeWarning,
-                              stacklevel=2)
-            state = state["lanes"]
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` unless ``state`` is a ``state_dict()`` of a codec with this one's error feedback."""
+        if not isinstance(state, dict) or set(state) != {"memory", "rank"}:
+            raise ValueError(f"not a MaxNormCodec state: {state!r:.200}")
         if (state["memory"] is None) != (self.memory is None):
             raise ValueError("the saved state and this codec disagree on error feedback")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])
         if self.rank is None and state["rank"] is not None:

@@ -346,3 +346,7 @@ class PowerSGD(TensorCodec):
             )
         self._buckets = buckets
 
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Horovod's stock optimizer compresses one gradient at a time: refused with a ``TypeError``."""
+        raise TypeError("PowerSGD needs whole buckets: use hvdcomp.DistributedOptimizer or hvdcomp.ddp")

@@ -78,7 +78,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
     """Max-norm levels exchanged by lanes or in two stages, per bucket (see the module docstring).
 
     Args:
-        lanes: the ``MaxNormCodec`` of the scheme (one resolution, no coordinate selection for the two-stage
+        inner: the ``MaxNormCodec`` of the scheme (one resolution, no coordinate selection for the two-stage
             exchange); its quantizer, seed and rounding streams serve both exchanges.
         exchange: ``"auto"`` (``cost.choose_exchange`` per bucket), ``"lanes"`` or ``"two_stage"``.
         error_feedback: keep what each stage's rounding lost (worker- and chunk-owner-side) for the next step.
@@ -86,21 +86,21 @@ class TwoStageMaxNorm(ElementwiseCodec):
             each group spans one worker per node); only ``"auto"`` reads it.
     """
 
-    def __init__(self, lanes: MaxNormCodec, exchange: str = "auto", error_feedback: bool = False,
+    def __init__(self, inner: MaxNormCodec, exchange: str = "auto", error_feedback: bool = False,
                  workers_per_node: int = 1) -> None:
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        self.supports_two_stage = not lanes.quantizer.multiscale and lanes.selector is None
+        self.supports_two_stage = not inner.quantizer.multiscale and inner.selector is None
         if exchange == "two_stage" and not self.supports_two_stage:
             raise ValueError("exchange='two_stage' needs a single-resolution max-norm codec without coordinate "
                              "selection (QSGDMaxNorm); use 'lanes' or 'auto' for the others")
-        self.lanes = lanes
+        self.inner = inner
         self.mode = exchange
         self.memory = ErrorFeedback() if check_bool("error_feedback", error_feedback) else None
         self.workers_per_node = check_int("workers_per_node", workers_per_node, 1)
 
     def bind_rank(self, rank: int) -> None:
-        self.lanes.bind_rank(rank)
+        self.inner.bind_rank(rank)
 
     def choose(self, numel: int, world_size: int) -> str:
         """``"lanes"`` or ``"two_stage"`` for a bucket of ``numel`` elements over ``world_size`` workers."""
@@ -108,13 +108,13 @@ class TwoStageMaxNorm(ElementwiseCodec):
             return self.mode
         if not self.supports_two_stage or world_size == 1:
             return "lanes"
-        return choose_exchange(numel, self.lanes.quantizer.bits[0], world_size, self.workers_per_node)
+        return choose_exchange(numel, self.inner.quantizer.bits[0], world_size, self.workers_per_node)
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int) -> Exchange:
         """See ``ElementwiseCodec.exchange``; every worker chooses alike (from sizes every worker shares)."""
         if self.choose(flat.numel(), world_size) == "lanes":
-            return self.lanes.exchange(flat, segments, key, step, world_size)
+            return self.inner.exchange(flat, segments, key, step, world_size)
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
@@ -122,21 +122,21 @@ class TwoStageMaxNorm(ElementwiseCodec):
 
     def _two_stage(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int,
                    world_size: int) -> Exchange:
-        quantizer = self.lanes.quantizer
+        quantizer = self.inner.quantizer
         s, width, numel = quantizer.coarse_levels, plain_width(quantizer.bits[0]), flat.numel()
         chunk = shard_length(numel, world_size)
-        rounding = self.lanes.rounding_stream(key, step, flat.device)
+        rounding = self.inner.rounding_stream(key, step, flat.device)
         residual = None if self.memory is None else self.memory.residual(key, flat)
         values = flat if residual is None else flat + residual
         groups = quantizer.scale_groups(numel, layout)
 
-        stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
-        nonfinite = quantizer.saw_nonfinite(stats)
+        scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
+        nonfinite = quantizer.saw_nonfinite(scale_stats)
         if nonfinite:
             warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        levels = quantizer.quantize_levels(values, stats, groups, None, rounding)
-        step_sizes = quantizer.step_sizes(stats, groups, numel)
+        levels = quantizer.quantize_levels(values, scale_stats, groups, None, rounding)
+        step_sizes = quantizer.step_sizes(scale_stats, groups, numel)
         if residual is not None and not nonfinite:
             torch.sub(values, levels * step_sizes, out=residual)
 
@@ -150,14 +150,14 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if self.memory is not None:
             owner_residual = self.memory.residual((key, "owner"), mean)
             scale = torch.zeros_like(mean)
-            scale[: hi - lo] = quantizer.step_sizes(stats, groups, numel)[lo:hi] * s
+            scale[: hi - lo] = quantizer.step_sizes(scale_stats, groups, numel)[lo:hi] * s
             sent = torch.zeros_like(mean, dtype=torch.bool)  # where M is 0 nothing can travel: the memory waits
-            sent[: hi - lo] = quantizer.maxima(stats, groups, numel)[lo:hi] > 0
+            sent[: hi - lo] = quantizer.maxima(scale_stats, groups, numel)[lo:hi] > 0
             mean.add_(torch.where(sent, owner_residual / torch.where(sent, scale, 1.0), 0.0))
         chunk_scale = mean.abs().amax().reshape(1) if chunk else mean.new_zeros(1)
         ratio = mean.abs().div_(chunk_scale.clamp_min(torch.finfo(torch.float32).tiny))
         requantized = stochastic_levels(ratio.mul_(s), mean,
-                                        self.lanes.rounding_stream((key, "owner"), step, flat.device), s)
+                                        self.inner.rounding_stream((key, "owner"), step, flat.device), s)
         if owner_residual is not None and not nonfinite:
             lost = (mean - requantized * (chunk_scale / s)).mul_(scale)
             torch.where(sent, lost, owner_residual, out=owner_residual)
@@ -170,12 +170,12 @@ class TwoStageMaxNorm(ElementwiseCodec):
         return result.fill_(float("nan")) if nonfinite else result
 
     def state_dict(self) -> dict[str, Any]:
-        """The lanes codec's state and both stages' error-feedback memories."""
-        return {"lanes": self.lanes.state_dict(), "memory": None if self.memory is None else self.memory.state_dict()}
+        """The inner codec's state and both stages' error-feedback memories."""
+        return {"inner": self.inner.state_dict(), "memory": None if self.memory is None else self.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["memory"] is None) != (self.memory is None):
             raise ValueError("the saved state and this codec disagree on error feedback")
-        self.lanes.load_state_dict(state["lanes"])
+        self.inner.load_state_dict(state["inner"])
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])

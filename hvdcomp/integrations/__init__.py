@@ -1,8 +1,8 @@
 """The integrations: what users call. They build on ``hvdcomp.exchange`` and ``hvdcomp.transport``.
 
-- ``compressors``: Horovod ``Compressor`` objects for the stock ``hvd.DistributedOptimizer``
-  (``QSGDMaxNorm``, ...) and ``bucket_codec``, which maps ``compression=`` to a bucket codec;
-- ``stock_names``: which gradient the stock optimizer is compressing, read from Horovod's frames;
+- ``codecs``: the public max-norm codecs (``QSGDMaxNorm``, ...), bucket codecs that need no Horovod;
+  ``stock``: their adapter to the stock ``hvd.DistributedOptimizer`` (loads Horovod at first use);
+  ``resolve``: ``resolve_codec``, which maps ``compression=`` to a bucket codec;
 - ``optimizer``: ``DistributedOptimizer``, bucketed and overlapped, optionally hierarchical;
   ``buckets``: its parameter names and buckets (Horovod's rules, ``groups``);
 - ``parity``: what both optimizers share to behave like Horovod's (its warning text, its

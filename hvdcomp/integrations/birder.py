@@ -80,10 +80,10 @@ from ..exchange.runner import Runner
 from ..exchange.simulator import simulate
 from ..exchange.state import agreement
 from ..exchange.stats import Statistics, Traffic, counted
+from ..transport._compat import called_by_broadcast_optimizer_state
 from .birder_layout import FlatLayout, layout_key
 from .birder_state import birder_state, load_birder_state, resync_birder
 from .launch import resolve_hierarchical
-from .parity import called_by_broadcast_optimizer_state
 
 _HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
 

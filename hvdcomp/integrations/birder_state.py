@@ -20,7 +20,7 @@ import torch
 
 from ..codec.packing import LaneLayout
 from ..exchange.protocol import Op
-from .parity import called_by_elastic_sync
+from ..transport._compat import called_by_elastic_sync
 
 LOG = logging.getLogger("hvdcomp")
 BIRDER_KEYS = ("numel", "step", "seed", "m", "b", "active", "rank", "world_size")

@@ -46,14 +46,13 @@ from ..exchange.plan import Bucket, plan_buckets
 from ..exchange.protocol import Transport
 from ..exchange.runner import Runner
 from ..exchange.state import ExchangeState
+from ..transport._compat import called_by_broadcast_optimizer_state, called_by_elastic_sync
 from ..transport.horovod import HorovodTransport
 from .buckets import check_groups, collective_prefix, model_order, parameter_names
 from .launch import check_hierarchical, resolve_hierarchical
 from .parity import (
     STEP_AFTER_SYNCHRONIZE,
     attach_weak_hooks,
-    called_by_broadcast_optimizer_state,
-    called_by_elastic_sync,
     claim_codec,
     remove_hooks,
 )

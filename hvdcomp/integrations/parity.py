@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any
 
@@ -14,35 +13,6 @@ STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchr
                           "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                           "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
                           "code.")  # Horovod 0.28.1's own text
-
-
-def called_by_broadcast_optimizer_state() -> bool:
-    """Whether Horovod's ``broadcast_optimizer_state`` called the current ``step()`` (directly or through
-    torch's step wrappers) to initialise an empty optimizer state. It does that on the ranks whose state
-    is empty only and skips the exchange for Horovod's own optimizers, so ours must not exchange either."""
-    functions = sys.modules.get("horovod.torch.functions")
-    return functions is not None and _called_from(functions.broadcast_optimizer_state.__code__, 4)
-
-
-def called_by_elastic_sync() -> bool:
-    """Whether Horovod elastic's ``OptimizerStateHandler.sync`` is behind the current call (through
-    ``broadcast_optimizer_state``, which calls ``state_dict()`` and, on an empty state, ``step()``): every
-    worker re-synchronises there after each (re)start of ``hvd.elastic.run``."""
-    state = sys.modules.get("horovod.torch.elastic.state")
-    return state is not None and _called_from(state.OptimizerStateHandler.sync.__code__, 8)
-
-
-def _called_from(code: Any, frames: int) -> bool:
-    """Whether ``code`` runs in one of the ``frames`` frames above the method that asks (the caller of
-    ``called_by_*``'s caller)."""
-    frame = sys._getframe(3)
-    for _ in range(frames):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def attach_weak_hooks(optimizer: Any, params: list[torch.nn.Parameter]) -> list[Any]:

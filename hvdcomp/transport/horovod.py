@@ -31,6 +31,7 @@ from horovod.common.exceptions import HorovodInternalError
 
 from ..codec.recycle import ResultBuffers
 from ..exchange.protocol import Op, Reduction, Scope, Transport
+from ._compat import allreduce_async_into
 
 _DYNAMIC_SETS_NEEDED = (
     "hierarchical exchanges over Horovod need dynamic process sets: start Horovod with hvdcomp.init() instead of "
@@ -195,7 +196,7 @@ class HorovodTransport(Transport):
             # an output reused once nothing refers to it: a fresh one is faulted in page by page while Horovod
             # copies the sum into it (docs/benchmarks.md)
             output = self._sums.take(name, tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
-            return hvd.mpi_ops._allreduce_async(tensor, output, name, reduce_op, 1.0, 1.0, group)
+            return allreduce_async_into(tensor, output, name, reduce_op, group)
         except ValueError as error:  # Horovod drops its process sets when it shuts down after a rank failed
             if "process set" not in str(error).lower():
                 raise
