@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from hvdcomp.codec import fused, native
-from hvdcomp.codec.quantize import MaxNormQuantizer
-from hvdcomp.integrations.scale_ahead import ScaleAhead
+from hvdcomp.codec.agreed import AgreedScales
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,12 +115,10 @@ def test_mismatched_sizes_raise(case):
 def test_agreed_stats_of_other_groups_are_absent():
     """State saved with one ``chunk_size`` and resumed with another: the agreed scales do not fit the groups, so the
     next exchange is exact (it agrees a new scale) instead of handing the kernels stats of the wrong length."""
-    saved = ScaleAhead(MaxNormQuantizer((4,), chunk_size=100))
+    saved = AgreedScales()
     numel = 1000
     saved.agree("w", numel, 2, torch.cat([torch.ones(10), torch.zeros(1)]))  # 10 scales, all finite
-    assert saved.ready("w", numel, 2)
-    resumed = ScaleAhead(MaxNormQuantizer((4,), chunk_size=10))
+    resumed = AgreedScales()
     resumed.load_state_dict(saved.state_dict())
-    assert not resumed.ready("w", numel, 2)
-    assert resumed.memory.scales("w", numel, 2, 100) is None
-    assert resumed.memory.scales("w", numel, 2, 10) is not None
+    assert resumed.scales("w", numel, 2, 100) is None
+    assert resumed.scales("w", numel, 2, 10) is not None
