@@ -154,7 +154,7 @@ def test_a_nonfinite_agreed_scale_is_refused():
     fresh = _workers(1)[0]
     with pytest.raises(ValueError, match="not finite"):
         fresh.load_state_dict(state)
-    assert fresh.memory.scales("b", numel, size) is None
+    assert fresh.memory.scales("b", numel, size, scales.numel() - 1) is None
 
 
 def test_configurations_that_need_their_own_rounds_are_refused():

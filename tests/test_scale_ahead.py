@@ -72,7 +72,7 @@ def test_clipped_excess_is_kept_and_sent_later(chunk_size, op):
         # growing gradients: every step beyond the first clips against the previous step's scale
         grads = [torch.randn(numel, generator=gen) * (1.5**step) for _ in range(world_size)]
         grad_total += sum(grads)
-        used = codecs[0].memory.scales("w", numel, world_size)
+        used = codecs[0].memory.scales("w", numel, world_size, quantizer.scale_groups(numel).numel())
         mean, values, ahead = _step(codecs, grads, step, op)
         assert ahead == (step > 0)  # the first exchange is exact: what each worker sent is its values, whole
         if not ahead:
@@ -136,7 +136,8 @@ def test_nonfinite_gradient_gives_nan_everywhere_and_leaves_memory():
         after = _excess(codec)
         assert (after is None) == (saved is None)
         assert saved is None or all(torch.equal(a, b) for a, b in zip(after, saved))
-        assert codec.memory.scales("w", numel, world_size) is None  # the next exchange is exact
+        groups = codec.inner.quantizer.scale_groups(numel).numel()
+        assert codec.memory.scales("w", numel, world_size, groups) is None  # the next exchange is exact
     assert not _step(codecs, [torch.randn(numel, generator=gen) for _ in range(world_size)], 3)[2]
 
 
