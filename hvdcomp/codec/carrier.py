@@ -66,10 +66,18 @@ def unstamp(reduced: torch.Tensor, tag: int, hint: str = "") -> torch.Tensor:
     return reduced[:-2]
 
 
-def wrap(words: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
-    """float64 ``[HEADER + len(words)]`` carrier for int64 ``words`` (each below ``2**word_bits(W)``)."""
+def wrap(words: torch.Tensor, world_size: int, tag: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 ``[HEADER + len(words)]`` carrier for int64 ``words`` (each below ``2**word_bits(W)``), written
+    into ``out`` if given (float64, of that size)."""
     header = torch.tensor([1.0, float(world_size), float(tag), float(tag) ** 2], dtype=torch.float64)
-    return torch.cat([header.to(words.device), words.to(torch.float64)])
+    if out is None:
+        return torch.cat([header.to(words.device), words.to(torch.float64)])
+    if out.dtype != torch.float64 or out.shape != (HEADER + words.numel(),):
+        raise ValueError(f"a carrier of {words.numel()} words needs a float64 [{HEADER + words.numel()}] buffer, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    out[:HEADER] = header
+    out[HEADER:].copy_(words)
+    return out
 
 
 def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> tuple[torch.Tensor, bool]:

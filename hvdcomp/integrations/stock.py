@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..codec import carrier
+from ..codec.recycle import ResultBuffers
 from ..codec.seeding import stable_seed
 from ..exchange.ahead import AheadMaxNorm
 from ..exchange.protocol import Exchange, Op, Request, advance, drive_together, relay
@@ -110,6 +111,7 @@ class StockAdapter:
         self._step_open = False  # False until a step's first compress, and again after a decompress
         self._warmup_done, self._warming = 0, False  # warm-up steps begun; whether this step is one
         self._batch: _Batch | None = None  # the open step's exact exchanges
+        self._carriers = ResultBuffers()  # per gradient, its carrier, reused once Horovod has let go of it
 
     def state_dict(self) -> dict[str, Any]:
         """The step counters (the codec's own state is ``codec.inner``'s)."""
@@ -184,7 +186,8 @@ class StockAdapter:
         op, words = request
         if op is Op.PAYLOAD:  # the scale agreed ahead: the whole payload rides in the carrier
             ctx = _Context(exchange, key, tag(True), tensor.shape, tensor.dtype, world_size, traffic, None)
-            sent = carrier.wrap(words, world_size, ctx.tag)
+            buffer = self._carriers.take(key, carrier.HEADER + words.numel(), torch.float64, words.device)
+            sent = carrier.wrap(words, world_size, ctx.tag, out=buffer)
         else:
             order = (0 if name is not None else 1, key, step)
             ctx = _Context(_replayed(request, exchange), key, tag(False), tensor.shape, tensor.dtype, world_size,
