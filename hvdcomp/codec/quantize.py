@@ -43,7 +43,7 @@ from .packing import (
 )
 from .random import uniform
 from .recycle import ResultBuffers
-from .validate import check_int
+from .validate import check_groups, check_int, check_stats
 
 MIN_BITS = 1
 MAX_BITS = 16
@@ -142,7 +142,7 @@ class MaxNormQuantizer:
         group; many short ones (chunks), or a group holding NaN/Inf, take the segmented reduction.
         """
         flat = x.detach().reshape(-1)
-        _check_groups(groups, flat.numel())
+        check_groups(groups, flat.numel())
         stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
         if _few_long_groups(groups, flat.numel()):
             for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
@@ -155,8 +155,7 @@ class MaxNormQuantizer:
         nonfinite = ~(torch.isfinite(mags).all() if finite is None else finite)
         mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
         if groups.numel():
-            # unsafe: skips torch's own check of the lengths, which _check_groups made above
-            stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)
+            stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)  # checked above
         stats[-1] = nonfinite.float()
         return stats
 
@@ -287,7 +286,7 @@ class MaxNormQuantizer:
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
-        _check_stats(stats, groups, x.numel())
+        check_stats(stats, groups, x.numel())
         layout = self.payload_layout(world_size, word_bits)
         if agreed is None and not self.multiscale and native.usable(x):
             return native.encode(x, groups, float(coarse) / self._scales(stats), coarse, layout.lanes_per_word,
@@ -318,7 +317,7 @@ class MaxNormQuantizer:
         layout = self.payload_layout(world_size, word_bits)
         if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
-        _check_stats(stats, groups, numel)
+        check_stats(stats, groups, numel)
         if agreed is None and not self.multiscale and native.usable(word_sums, torch.int64):
             factors = self._scales(stats) / float(self.coarse_levels * world_size)
             size = word_sums.numel() * layout.lanes_per_word
@@ -329,21 +328,6 @@ class MaxNormQuantizer:
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                              layout.offset * world_size, units)
         return means[:numel]
-
-
-def _check_groups(groups: torch.Tensor, numel: int) -> None:
-    """Raise ``ValueError`` unless ``groups`` (int64 lengths, on the CPU) split ``numel`` elements."""
-    if groups.dim() != 1 or (groups.numel() and (int(groups.sum()) != numel or bool((groups < 0).any()))):
-        raise ValueError(f"scale groups {groups.tolist()[:8]}... do not split {numel} elements")
-
-
-def _check_stats(stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
-    """Raise ``ValueError`` unless ``stats`` has a scale per group and the nonfinite flag, the groups splitting
-    ``numel`` elements."""
-    _check_groups(groups, numel)
-    if stats.shape != (groups.numel() + 1,):
-        raise ValueError(f"stats of shape {tuple(stats.shape)} do not fit {groups.numel()} scale groups (want "
-                         f"[{groups.numel() + 1}]: a scale per group, then the nonfinite flag)")
 
 
 def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:
