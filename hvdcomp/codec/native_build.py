@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 from .cache import UnsafeCache, cache_dir, check_private, private_dir
 
@@ -118,7 +119,14 @@ def load() -> ctypes.CDLL:
         return open_checked(path)
 
 
-_SIGNATURES = {  # each kernel's argument types (all return nothing)
+def _check_status(status: int, function: Any, args: tuple) -> int:
+    """A kernel's status: 0, else ``ValueError`` (the kernel refused its sizes and touched nothing)."""
+    if status:
+        raise ValueError(f"{function.__name__} refused its arguments {args}")
+    return status
+
+
+_SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for arguments that cannot be right)
     "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER],
     "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_uniform": [_POINTER, _INT, _INT, _POINTER],
@@ -141,5 +149,5 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` (a build of ``SOURCE``) with its functions' argument types declared."""
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype, function.errcheck = argtypes, ctypes.c_int64, _check_status
     return lib
