@@ -8,8 +8,8 @@ per-group factors (no gradient-sized buffer besides the result). They compute ex
 (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
 
 **Sizes.** Every wrapper below checks the device, dtype, contiguity and size of each tensor it hands the kernels
-(O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; the kernels read and write only within
-the sizes they are given.
+(O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; each kernel also refuses sizes that cannot
+be right (a nonzero status, raised as ``ValueError`` too) and reads and writes only within the sizes it is given.
 
 **Build.** ``hvdcomp.codec.native_build`` compiles and loads the library at first use, from a private per-user cache
 only (its docstring); a compile or load failure falls back like any fused kernel (``hvdcomp.codec.fused.fail``: one
