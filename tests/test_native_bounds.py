@@ -97,6 +97,18 @@ CASES = {
         m = torch.randn(2, 1 << 14)[:, 0]
         attempt('c', lambda: native.draw_bit_words(m, m.abs(), rng, 4, 15, 0))
     """,
+    "kernel_refuses_short_rows": """
+        packed, out = torch.zeros(2, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+        attempt('c', lambda: native.library().hvdcomp_unpack_bits(packed.data_ptr(), 1, 2, 1 << 20, out.data_ptr()))
+    """,
+    "kernel_refuses_wide_lanes": """
+        values, words = torch.ones(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+        attempt('c', lambda: native.library().hvdcomp_pack_lanes(values.data_ptr(), 8, 2, 40, words.data_ptr()))
+    """,
+    "kernel_refuses_partial_blocks": """
+        sums, out = torch.zeros(16, dtype=torch.int64), torch.zeros(64)
+        attempt('c', lambda: native.library().hvdcomp_counts_mean(sums.data_ptr(), 4, 15, 2, 0, 65, out.data_ptr()))
+    """,
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdcomp.codec import cache, fused, native
+from hvdcomp.codec import cache, fused, native, native_build
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -39,10 +39,10 @@ def planted(tmp_path, monkeypatch):
 
 
 def _load_refusing(reason: str) -> None:
-    """``native._load()`` warns once with ``reason`` and returns working kernels (built elsewhere)."""
+    """``native_build.load()`` warns once with ``reason`` and returns working kernels (built elsewhere)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        lib = native._load()
+        lib = native_build.load()
     ours = [str(w.message) for w in caught if "native kernels" in str(w.message)]
     assert len(ours) == 1 and reason in ours[0], ours
     words = torch.tensor([1, 2, 3, 4], dtype=torch.int64)
@@ -112,12 +112,12 @@ def test_the_private_cache_is_created_private_and_used(tmp_path, monkeypatch):
     assert target.parent.parent == tmp_path / "xdg" / "hvdcomp"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lib = native._load()
+        lib = native_build.load()
     assert lib is not None and target.is_file()
     for path in (target.parent.parent, target.parent, target):
         assert path.stat().st_uid == os.geteuid() and path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
     built = target.stat().st_mtime_ns
-    native._load()
+    native_build.load()
     assert target.stat().st_mtime_ns == built  # loaded from the cache, not rebuilt
 
 

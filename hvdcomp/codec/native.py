@@ -8,25 +8,12 @@ per-group factors (no gradient-sized buffer besides the result). They compute ex
 (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
 
 **Sizes.** Every wrapper below checks the device, dtype, contiguity and size of each tensor it hands the kernels
-(O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; the kernels read and write only within
-the sizes they are given.
+(O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; each kernel also refuses sizes that cannot
+be right (a nonzero status, raised as ``ValueError`` too) and reads and writes only within the sizes it is given.
 
-**Build.** At first use, the C++ compiler Inductor would use (``CXX``, else ``g++``, else ``c++``) builds the
-file with ``-O3 -march=native -ffp-contract=off`` (no fused multiply-add: the same float32 roundings as
-eager) into ``native/`` under ``cache_dir()`` (``HVDCOMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/hvdcomp``, else
-``~/.cache/hvdcomp``: the cache ``scripts/install_horovod.sh`` keeps its Horovod wheels in), under a name keyed
-by the source, the compiler, the flags and this CPU's features, so a cache shared by several machines never hands
-one a library built for another's instructions. The build runs at first use, not at install time, because the
-key includes the CPU that runs it (an image or a shared venv is built on another machine). Concurrent workers each
-build to a temporary name and rename, so none loads a half-written file. A compile or load failure falls back like
-any fused kernel (``hvdcomp.codec.fused.fail``: one warning, eager from then on).
-
-**Trust.** A loaded library runs as this process, so only files this user alone controls are loaded: the cache
-directory and its ``native/`` are created with mode 0700, and each of them and the library file must be no symlink,
-owned by this user and not group- or world-writable. The file is opened without following links, checked through
-that descriptor and loaded through ``/proc/self/fd`` (what was checked is what is loaded). If the cache fails a
-check, one ``RuntimeWarning`` says why and the kernels are built into a fresh private temporary directory instead
-(removed once loaded).
+**Build.** ``hvdcomp.codec.native_build`` compiles and loads the library at first use, from a private per-user cache
+only (its docstring); a compile or load failure falls back like any fused kernel (``hvdcomp.codec.fused.fail``: one
+warning, eager from then on).
 
 **When.** On CPU tensors, while fused kernels are enabled (``HVDCOMP_FUSED``, ``fused.eager()``), unless
 ``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over
@@ -37,35 +24,27 @@ that a forked child replaces with its own.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from . import fused
 from .cache import CACHE_ENV as CACHE_ENV
-from .cache import UnsafeCache, cache_dir, check_private, private_dir
+from .native_build import FLAGS as FLAGS
+from .native_build import build as build
+from .native_build import compiler as compiler
+from .native_build import declare as declare
+from .native_build import library_path as library_path
+from .native_build import load
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
 from .random import OUTPUTS_PER_BLOCK
 
 ENV_SWITCH = "HVDCOMP_NATIVE"
-SOURCE = Path(__file__).with_name("native_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
-SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
-SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
 MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Library:
@@ -84,116 +63,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def compiler() -> str:
-    """The C++ compiler: ``CXX``, else ``g++`` or ``c++`` on ``PATH`` (as Inductor picks one)."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
-
-
-def _cpu_features() -> str:
-    """This CPU's architecture and feature flags (Linux ``/proc/cpuinfo``; else the platform's description)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()} {flags}"
-
-
-def flags() -> tuple[str, ...]:
-    """``FLAGS``, plus the sanitizers' when ``HVDCOMP_NATIVE_SANITIZE=1`` (``make sanitize``)."""
-    return FLAGS + (SANITIZE_FLAGS if os.environ.get(SANITIZE_ENV) == "1" else ())
-
-
-def library_path(cxx: str) -> Path:
-    """Where the library built by ``cxx`` for this CPU lives in ``cache_dir()`` (built or not)."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cxx.encode(), " ".join(flags()).encode(),
-                                     _cpu_features().encode()])).hexdigest()[:24]
-    return cache_dir() / "native" / f"native_kernels_{key}.so"
-
-
-def build(cxx: str, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    """Compile ``SOURCE`` into ``target`` atomically (a temporary name, then a rename)."""
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    try:
-        done = subprocess.run([cxx, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode:
-            raise RuntimeError(f"{cxx} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
-        os.chmod(temporary, 0o700)
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-
-
-def open_checked(path: Path) -> ctypes.CDLL:
-    """The library at ``path`` (``declare``d), opened without following a link, checked (``check_private``) through
-    its descriptor and loaded through that descriptor, so the file checked is the file loaded."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeCache(f"{path} is not a regular file")
-        check_private(path, st)
-        return declare(ctypes.CDLL(f"/proc/self/fd/{fd}"))
-    finally:
-        os.close(fd)
-
-
-def _load() -> ctypes.CDLL:
-    cxx, options = compiler(), flags()
-    path = library_path(cxx)
-    try:
-        private_dir(path.parent.parent)
-        private_dir(path.parent)
-        if not os.path.lexists(path):
-            build(cxx, path, options)
-        return open_checked(path)
-    except OSError as refusal:  # UnsafeCache, or a symlink that O_NOFOLLOW refused (ELOOP)
-        warnings.warn(f"hvdcomp: not loading the native kernels from {path.parent} ({refusal}); building them in a "
-                      f"fresh private directory", RuntimeWarning, stacklevel=4)
-    with tempfile.TemporaryDirectory(prefix="hvdcomp-native-") as fresh:  # mkdtemp: mode 0700, this user's
-        path = Path(fresh) / path.name
-        build(cxx, path, options)
-        return open_checked(path)
-
-
-_SIGNATURES = {  # each kernel's argument types (all return nothing)
-    "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER],
-    "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_uniform": [_POINTER, _INT, _INT, _POINTER],
-    "hvdcomp_draw_bits": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT,
-                          _INT, _INT, _POINTER],
-    "hvdcomp_draw_bools": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT,
-                           _POINTER],
-    "hvdcomp_binarize_counts": [_POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_pack_bits": [_POINTER, _INT, _INT, _POINTER],
-    "hvdcomp_unpack_bits": [_POINTER, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_count_bits": [_POINTER, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_pack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_unpack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_lane_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER],
-}
-
-
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """``lib`` (a build of ``SOURCE``) with its functions' argument types declared."""
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
-    return lib
-
-
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built at the first call; None if building or loading failed (``fused.fail`` warned)."""
     with _Library.lock:
         if not _Library.tried:
             _Library.tried = True
             try:
-                _Library.handle = _load()
+                _Library.handle = load()
             except Exception as error:  # noqa: BLE001 (no compiler, a failed build, an unloadable file)
                 fused.fail(error, stacklevel=4)
     return _Library.handle

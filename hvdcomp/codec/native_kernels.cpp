@@ -238,24 +238,37 @@ inline void draw_tile(const float* m, const float* b, const float* noise, int64_
   }
 }
 
+// Each entry point returns 0, or kBadArgument without touching memory when its sizes cannot be right (the Python
+// wrappers check the tensors' sizes; these checks guard the arithmetic on them).
+constexpr int64_t kBadArgument = -1;
+
+inline bool lanes_fit(int64_t lanes, int64_t width) { return lanes >= 1 && width >= 1 && width <= 63 && lanes * width <= 64; }
+
+inline bool whole_blocks(int64_t first, int64_t last, int64_t lanes) {
+  return 0 <= first && first <= last && first % (kBlockWords * lanes) == 0 && last % (kBlockWords * lanes) == 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 // The uniforms of elements first .. first + n - 1 of the rounding stream (first and n multiples of 8) into u[0..n)
 // (random.uniform).
-void hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, float* u) {
+int64_t hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, float* u) {
+  if (first < 0 || n < 0 || first % 8 || n % 8) return kBadArgument;
   const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
                  static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
   draw(first, n, s, u);
+  return 0;
 }
 
 // Words of values [first, last) (whole lane blocks; values past numel are lane value 0) into out[first / L ..):
 // value i's lane holds sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse, f_i its group's coarse / M and
 // U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager).
-void hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
+int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
                     int64_t coarse, int64_t lanes, int64_t width, const int64_t* stream_words, int64_t first,
                     int64_t last, int64_t* out) {
+  if (numel < 0 || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t chunk = chunk_values(lanes);
   const float limit = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
@@ -278,12 +291,14 @@ void hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const fl
     std::fill(values + valid, values + n, 0);
     pack_lane_blocks(values, n, lanes, width, out + start / lanes);
   }
+  return 0;
 }
 
 // Means of values [first, last) (whole lane blocks) from summed words into means[first ..): (lane - offset) f_i,
 // f_i its group's M / (s W), 0 past the last group (quantize._decode_mean_eager).
-void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* group_factors, int64_t groups,
+int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* group_factors, int64_t groups,
                     int64_t lanes, int64_t width, int64_t offset, int64_t first, int64_t last, float* means) {
+  if (groups < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes), mask = (int64_t{1} << width) - 1;
   const bool narrow = width < 31;  // lane values and offset fit int32: the conversion vectorizes
   alignas(32) float factors[kChunk];
@@ -310,6 +325,7 @@ void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* 
         }
       }
   }
+  return 0;
 }
 
 // Birder's moments and draw (onebit._update_moments_eager, then onebit._draw_lane_blocks_eager and its tail): for
@@ -317,9 +333,11 @@ void hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* 
 // ascending; betas[2 r], betas[2 r + 1] = beta, 1 - beta as float32) first updates m_i <- beta m_i + (1 - beta) g_i,
 // b_i <- beta b_i + (1 - beta) |g_i|; then value i is the bit (v b_i < m_i) | (b_i == 0 & v < 0), v = 2 U - 1 for U
 // the stream's uniform draw_first + i (0 past numel), packed into out[first / L ..]. Both in one pass per chunk.
-void hvdcomp_draw_bits(float* m, float* b, const float* grad, int64_t numel, const int64_t* bounds,
+int64_t hvdcomp_draw_bits(float* m, float* b, const float* grad, int64_t numel, const int64_t* bounds,
                        const float* betas, int64_t runs, int64_t lanes, int64_t width, const int64_t* stream_words,
                        int64_t draw_first, int64_t first, int64_t last, int64_t* out) {
+  if (numel < 0 || runs < 0 || draw_first < 0 || draw_first % 8 || !lanes_fit(lanes, width) ||
+      !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t chunk = chunk_values(lanes);
   alignas(32) float noise[kChunk + 64];
   alignas(32) int32_t bits[kChunk];
@@ -332,13 +350,16 @@ void hvdcomp_draw_bits(float* m, float* b, const float* grad, int64_t numel, con
     std::fill(bits + valid, bits + n, 0);
     pack_lane_blocks(bits, n, lanes, width, out + start / lanes);
   }
+  return 0;
 }
 
 // The same moments and bits for values [first, last) of [0, numel) (first a multiple of 8), one uint8 0 / 1 per value
 // into out[first ..] (onebit._draw_eager).
-void hvdcomp_draw_bools(float* m, float* b, const float* grad, int64_t numel, const int64_t* bounds,
+int64_t hvdcomp_draw_bools(float* m, float* b, const float* grad, int64_t numel, const int64_t* bounds,
                         const float* betas, int64_t runs, const int64_t* stream_words, int64_t draw_first,
                         int64_t first, int64_t last, uint8_t* out) {
+  if (numel < 0 || runs < 0 || draw_first < 0 || draw_first % 8 || first < 0 || first % 8 || first > last ||
+      last > numel) return kBadArgument;
   alignas(32) float noise[kChunk + 64];
   int64_t r = 0;
   for (int64_t start = first; start < last; start += kChunk) {
@@ -347,13 +368,15 @@ void hvdcomp_draw_bools(float* m, float* b, const float* grad, int64_t numel, co
     hvdcomp_uniform(stream_words, draw_first + start, (n + 7) / 8 * 8, noise);
     draw_tile(m + start, b + start, noise, n, out + start);
   }
+  return 0;
 }
 
 // Bits of values [first, last) (first a multiple of 8): value i is 1 when the stream's uniform draw_first + i is below
 // counts[i] / group (float32) for i below `valid`, 0 from there on (counts of +1s among `group` values re-binarized:
 // onebit.binarize_counts), one uint8 0 / 1 per value into out[first ..].
-void hvdcomp_binarize_counts(const int64_t* counts, int64_t valid, int64_t group, const int64_t* stream_words,
+int64_t hvdcomp_binarize_counts(const int64_t* counts, int64_t valid, int64_t group, const int64_t* stream_words,
                              int64_t draw_first, int64_t first, int64_t last, uint8_t* out) {
+  if (valid < 0 || draw_first < 0 || draw_first % 8 || first < 0 || first % 8 || first > last) return kBadArgument;
   alignas(32) float noise[kChunk + 64];
   const float divisor = static_cast<float>(group);
   for (int64_t start = first; start < last; start += kChunk) {
@@ -362,11 +385,13 @@ void hvdcomp_binarize_counts(const int64_t* counts, int64_t valid, int64_t group
     for (int64_t i = 0; i < m; ++i) out[start + i] = noise[i] < static_cast<float>(counts[start + i]) / divisor;
     std::fill(out + start + m, out + start + n, 0);
   }
+  return 0;
 }
 
 // Rows of n uint8 0 / 1 values into rows of ceil(n / 8) bytes, least significant bit first, zeros past n
 // (packing.bits_to_bytes).
-void hvdcomp_pack_bits(const uint8_t* bits, int64_t rows, int64_t n, uint8_t* out) {
+int64_t hvdcomp_pack_bits(const uint8_t* bits, int64_t rows, int64_t n, uint8_t* out) {
+  if (rows < 0 || n < 0) return kBadArgument;
   const int64_t bytes = (n + 7) / 8;
   for (int64_t row = 0; row < rows; ++row) {
     const uint8_t* v = bits + row * n;
@@ -382,42 +407,50 @@ void hvdcomp_pack_bits(const uint8_t* bits, int64_t rows, int64_t n, uint8_t* ou
       o[n / 8] = last;
     }
   }
+  return 0;
 }
 
 // Rows of `bytes` bytes into rows of n uint8 0 / 1 values (n <= 8 bytes; packing.bytes_to_bits).
-void hvdcomp_unpack_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int64_t n, uint8_t* out) {
+int64_t hvdcomp_unpack_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int64_t n, uint8_t* out) {
+  if (rows < 0 || n < 0 || bytes * 8 < n) return kBadArgument;
   for (int64_t row = 0; row < rows; ++row) {
     const uint8_t* p = packed + row * bytes;
     uint8_t* o = out + row * n;
     for (int64_t k = 0; k < n / 8; ++k) std::memcpy(o + 8 * k, &kByteBits[p[k]], 8);
     for (int64_t j = n / 8 * 8; j < n; ++j) o[j] = (p[j / 8] >> (j % 8)) & 1;
   }
+  return 0;
 }
 
 // Words of consecutive lanes (LaneLayout.pack without offset): word w <- the sum over l < L of values[w L + l] << (l
 // width), for the n int64 values (non-negative, below 2**width; the last word's missing lanes 0).
-void hvdcomp_pack_lanes(const int64_t* values, int64_t n, int64_t lanes, int64_t width, int64_t* words) {
+int64_t hvdcomp_pack_lanes(const int64_t* values, int64_t n, int64_t lanes, int64_t width, int64_t* words) {
+  if (n < 0 || !lanes_fit(lanes, width)) return kBadArgument;
   for (int64_t w = 0; w < (n + lanes - 1) / lanes; ++w) {
     const int64_t count = std::min(lanes, n - w * lanes);
     int64_t word = 0;
     for (int64_t l = 0; l < count; ++l) word += values[w * lanes + l] << (l * width);
     words[w] = word;
   }
+  return 0;
 }
 
 // The n lane values of words of consecutive lanes (LaneLayout.unpack without offset): values[i] <- (words[i / L] >>
 // (i % L) width) & mask.
-void hvdcomp_unpack_lanes(const int64_t* words, int64_t n, int64_t lanes, int64_t width, int64_t* values) {
+int64_t hvdcomp_unpack_lanes(const int64_t* words, int64_t n, int64_t lanes, int64_t width, int64_t* values) {
+  if (n < 0 || !lanes_fit(lanes, width)) return kBadArgument;
   const int64_t mask = (int64_t{1} << width) - 1;
   for (int64_t w = 0; w < (n + lanes - 1) / lanes; ++w) {
     const int64_t count = std::min(lanes, n - w * lanes), word = words[w];
     for (int64_t l = 0; l < count; ++l) values[w * lanes + l] = (word >> (l * width)) & mask;
   }
+  return 0;
 }
 
 // means[i] <- (2 c_i - group) / group for the n +1 counts c_i in words of consecutive lanes (onebit.mean_from_counts).
-void hvdcomp_lane_counts_mean(const int64_t* words, int64_t n, int64_t lanes, int64_t width, int64_t group,
+int64_t hvdcomp_lane_counts_mean(const int64_t* words, int64_t n, int64_t lanes, int64_t width, int64_t group,
                               float* means) {
+  if (n < 0 || !lanes_fit(lanes, width)) return kBadArgument;
   const int64_t mask = (int64_t{1} << width) - 1;
   const float divisor = static_cast<float>(group);
   for (int64_t w = 0; w < (n + lanes - 1) / lanes; ++w) {
@@ -425,10 +458,12 @@ void hvdcomp_lane_counts_mean(const int64_t* words, int64_t n, int64_t lanes, in
     for (int64_t l = 0; l < count; ++l)
       means[w * lanes + l] = static_cast<float>(2 * ((word >> (l * width)) & mask) - group) / divisor;
   }
+  return 0;
 }
 
 // counts[i] <- how many of the rows have bit i set (i < n; rows of `bytes` bytes, least significant bit first).
-void hvdcomp_count_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int64_t n, int64_t* counts) {
+int64_t hvdcomp_count_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int64_t n, int64_t* counts) {
+  if (rows < 0 || n < 0 || bytes * 8 < n) return kBadArgument;
   std::fill(counts, counts + n, 0);
   alignas(32) uint8_t bits[kChunk];
   for (int64_t row = 0; row < rows; ++row)
@@ -437,12 +472,14 @@ void hvdcomp_count_bits(const uint8_t* packed, int64_t rows, int64_t bytes, int6
       hvdcomp_unpack_bits(packed + row * bytes + start / 8, 1, (m + 7) / 8, m, bits);
       for (int64_t i = 0; i < m; ++i) counts[start + i] += bits[i];
     }
+  return 0;
 }
 
 // Means of values [first, last) (whole lane blocks) from summed words of +1 counts over `group` workers into
 // means[first ..]: (2 count - group) / group (onebit._mean_from_words_eager).
-void hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t width, int64_t group, int64_t first,
+int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t width, int64_t group, int64_t first,
                          int64_t last, float* means) {
+  if (!lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, mask = (int64_t{1} << width) - 1;
   const float divisor = static_cast<float>(group);
   for (int64_t k = first / per_block; k < last / per_block; ++k)
@@ -458,6 +495,7 @@ void hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t width,
       for (int64_t j = 0; j < kBlockWords; ++j)
         out[j] = static_cast<float>(2 * ((w[j] >> (l * width)) & mask) - group) / divisor;
     }
+  return 0;
 }
 
 }  // extern "C"

@@ -15,8 +15,7 @@ Each worker's level for an element ``x`` at resolution ``s`` is ``sign(x) * floo
 ``(M / s)**2 / 4``. ``M`` here is the shared maximum, or ``SCALE_FLOOR`` (2**-100) where that is smaller (an
 all-zero or vanishingly small group), so ``s / M`` is finite and the levels stay unbiased. The per-element
 factors (``s / M`` to encode, ``M / (s W)`` to decode) are computed once per group: the kernels multiply.
-``U`` is element ``i``'s draw of this worker's counter-based stream (``hvdcomp.codec.random``): the caller
-passes the stream's words (e.g. keyed by seed, rank, tensor key and step).
+``U`` is element ``i``'s draw of the counter-based stream whose words the caller passes (seed, rank, key, step).
 
 Steps 2 and 3 and the decode each run as one fused kernel (``hvdcomp.codec.fused``: scaling, rounding with
 the in-kernel random draw, sign, offset and lane packing in one pass; unpack, offset and scale to the mean
@@ -43,7 +42,7 @@ from .packing import (
 )
 from .random import uniform
 from .recycle import ResultBuffers
-from .validate import check_int
+from .validate import check_groups, check_int, check_stats
 
 MIN_BITS = 1
 MAX_BITS = 16
@@ -142,7 +141,7 @@ class MaxNormQuantizer:
         group; many short ones (chunks), or a group holding NaN/Inf, take the segmented reduction.
         """
         flat = x.detach().reshape(-1)
-        _check_groups(groups, flat.numel())
+        check_groups(groups, flat.numel())
         scale_stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
         if _few_long_groups(groups, flat.numel()):
             for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
@@ -154,8 +153,7 @@ class MaxNormQuantizer:
         mags = flat.abs().float()
         nonfinite = ~(torch.isfinite(mags).all() if finite is None else finite)
         mags = torch.nan_to_num_(mags, nan=0.0, posinf=0.0)
-        if groups.numel():
-            # unsafe: skips torch's own check of the lengths, which _check_groups made above
+        if groups.numel():  # unsafe: the lengths were checked above
             scale_stats[:-1] = torch.segment_reduce(mags, "max", lengths=groups.to(x.device), unsafe=True)
         scale_stats[-1] = nonfinite.float()
         return scale_stats
@@ -287,7 +285,7 @@ class MaxNormQuantizer:
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
-        _check_stats(scale_stats, groups, x.numel())
+        check_stats(scale_stats, groups, x.numel())
         layout = self.payload_layout(world_size, word_bits)
         if agreed is None and not self.multiscale and native.usable(x):
             return native.encode(x, groups, float(coarse) / self._scales(scale_stats), coarse, layout.lanes_per_word,
@@ -318,7 +316,7 @@ class MaxNormQuantizer:
         layout = self.payload_layout(world_size, word_bits)
         if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
             raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
-        _check_stats(scale_stats, groups, numel)
+        check_stats(scale_stats, groups, numel)
         if agreed is None and not self.multiscale and native.usable(word_sums, torch.int64):
             factors = self._scales(scale_stats) / float(self.coarse_levels * world_size)
             size = word_sums.numel() * layout.lanes_per_word
@@ -330,21 +328,6 @@ class MaxNormQuantizer:
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                              layout.offset * world_size, units)
         return means[:numel]
-
-
-def _check_groups(groups: torch.Tensor, numel: int) -> None:
-    """Raise ``ValueError`` unless ``groups`` (int64 lengths, on the CPU) split ``numel`` elements."""
-    if groups.dim() != 1 or (groups.numel() and (int(groups.sum()) != numel or bool((groups < 0).any()))):
-        raise ValueError(f"scale groups {groups.tolist()[:8]}... do not split {numel} elements")
-
-
-def _check_stats(scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
-    """Raise ``ValueError`` unless ``scale_stats`` has a scale per group and the nonfinite flag, the groups
-    splitting ``numel`` elements."""
-    _check_groups(groups, numel)
-    if scale_stats.shape != (groups.numel() + 1,):
-        raise ValueError(f"scale_stats of shape {tuple(scale_stats.shape)} do not fit {groups.numel()} scale groups "
-                         f"(want [{groups.numel() + 1}]: a scale per group, then the nonfinite flag)")
 
 
 def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
+
 
 def check_int(name: str, value: object, minimum: int) -> int:
     """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else ``ValueError``."""
@@ -33,3 +35,18 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_groups(groups: torch.Tensor, numel: int) -> None:
+    """Raise ``ValueError`` unless ``groups`` (int64 lengths, on the CPU) split ``numel`` elements."""
+    if groups.dim() != 1 or (groups.numel() and (int(groups.sum()) != numel or bool((groups < 0).any()))):
+        raise ValueError(f"scale groups {groups.tolist()[:8]}... do not split {numel} elements")
+
+
+def check_stats(scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
+    """Raise ``ValueError`` unless ``scale_stats`` has a scale per group and the nonfinite flag, the groups
+    splitting ``numel`` elements."""
+    check_groups(groups, numel)
+    if scale_stats.shape != (groups.numel() + 1,):
+        raise ValueError(f"scale_stats of shape {tuple(scale_stats.shape)} do not fit {groups.numel()} scale groups "
+                         f"(want [{groups.numel() + 1}]: a scale per group, then the nonfinite flag)")
