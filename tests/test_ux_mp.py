@@ -107,7 +107,7 @@ def _warmup_worker():
         """Parameters, compression ratio and codec state (its repr, and the stock step counts) after each step."""
         model = _model()
         optimizer = make(model)
-        codec = getattr(compressor, "inner", compressor)
+        codec = compressor.inner if isinstance(compressor, hvdcomp.MaxNormCompressor) else compressor
         stats = getattr(optimizer, "stats", getattr(compressor, "stats", None))
         params, ratios, codec_states = [], [], []
         for step in range(steps):
