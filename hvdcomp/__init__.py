@@ -22,6 +22,7 @@ from typing import Any
 
 _HOMES = {
     "CarrierMismatchError": ".codec",
+    "ConfigurationMismatchError": ".exchange",
     "LaneLayout": ".codec",
     "MaxNormQuantizer": ".codec",
     "RandomCoordinateSelector": ".codec",

@@ -24,6 +24,7 @@ from .elementwise import FP16, MaxNormCodec, NoCompression
 from .powersgd import PowerSGD
 from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive, drive_together
 from .simulator import simulate
+from .state import ConfigurationMismatchError, ExchangeState
 from .stats import Statistics, Traffic
 from .two_stage import TwoStageMaxNorm
 
@@ -31,8 +32,10 @@ __all__ = [
     "FP16",
     "AheadMaxNorm",
     "BucketCodec",
+    "ConfigurationMismatchError",
     "ElementwiseCodec",
     "Exchange",
+    "ExchangeState",
     "MaxNormCodec",
     "NoCompression",
     "Op",
