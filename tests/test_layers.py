@@ -35,7 +35,8 @@ from tests.fakes import EchoTransport
 
 PACKAGE = Path(hvdcomp.__file__).parent
 LAYERS = ("codec", "exchange", "transport", "integrations")  # bottom to top
-PUBLIC = ("ConfigurationMismatchError", "QSGDMaxNorm", "QSGDMaxNormMultiScale", "GlobalRandKMaxNorm", "GlobalRandKMaxNormMultiScale",
+PUBLIC = ("ConfigurationMismatchError", "QSGDMaxNorm", "QSGDMaxNormMultiScale", "GlobalRandKMaxNorm",
+          "GlobalRandKMaxNormMultiScale",
           "MaxNormCompressor", "DistributedOptimizer", "Birder", "PowerSGD", "FP16", "NoCompression", "MPITransport",
           "HorovodTransport", "TorchDistributedTransport", "CarrierMismatchError")
 
