@@ -4,6 +4,7 @@ in the one-process simulator."""
 import pytest
 import torch
 
+from hvdcomp.codec import fused, native
 from hvdcomp.codec.packing import bits_to_bytes, pack_planes, plane_bytes, unpack_planes
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words
@@ -232,3 +233,48 @@ def test_birder_two_stage_routes(local_size, route):
     assert one_bit_route(10**6, many, False, "auto", "lanes") == "world:sum"
     assert one_bit_route(10**6, Placement(0, 256, 2), True, "auto", "auto") == "hierarchical:two_stage"
     assert one_bit_route(10**6, Placement(0, 4, 2), True, "auto", "auto") == "hierarchical:allgather"  # 2 nodes
+
+
+@pytest.mark.parametrize("world_size,bits,numel,chunk_size", [(2, 4, 10_001, None), (3, 2, 25_000, 1000),
+                                                              (4, 8, 8, None), (5, 16, 4_099, 333), (7, 1, 61, None),
+                                                              (2, 3, 300_000, 70_000)])
+def test_native_kernels_exchange_the_eager_bits(world_size, bits, numel, chunk_size, monkeypatch):
+    """The native kernels (stage one's planes, the owner's sum and re-quantization, the decode) give the eager
+    reference's messages and result bit for bit: sizes off the 8-value plane groups and the 4096-value tiles,
+    chunks straddling scale groups, 1 to 17-bit planes, several threads."""
+    grads = _grads(world_size, numel, seed=bits)
+    segments = [numel // 3, numel - numel // 3]
+
+    def exchanged():
+        sent = []
+        out = simulate([_recorded(c.exchange(g, segments, "b", 3, world_size), sent)
+                        for c, g in zip(_codecs(world_size, bits, chunk_size=chunk_size), grads)])
+        return out, sent
+
+    monkeypatch.setenv(fused.ENV_SWITCH, "1")
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    assert native.usable(grads[0])
+    natively, native_sent = exchanged()
+    with fused.eager():
+        eagerly, eager_sent = exchanged()
+    assert native_sent == eager_sent
+    for a, b in zip(natively, eagerly):
+        assert torch.equal(a, b)
+
+
+def test_native_kernels_refuse_rows_too_small_for_their_planes():
+    x = torch.randn(100)
+    groups, units = torch.tensor([100]), torch.tensor([3.0])
+    rng = stream_words(0, 1, "b")
+    with pytest.raises(ValueError, match="do not hold"):
+        native.encode_planes(x, groups, units, 3, 3, rng, 50, torch.zeros(2, 4 + 3 * 6, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="do not hold"):
+        native.encode_planes(x, groups, units, 3, 3, rng, 40, torch.zeros(2, 4 + 3 * 7, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="do not hold"):
+        native.sum_planes(torch.zeros(2, 10, dtype=torch.uint8), 4, 3, 17)
+    with pytest.raises(ValueError, match="plane"):
+        native.requantize_planes(torch.zeros(17, dtype=torch.int32), 6, 3, 3, 1.0, rng,
+                                 torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="row factors"):
+        native.decode_planes(torch.zeros(2, 30, dtype=torch.uint8), 4, 3, 50, 100, torch.ones(3), groups,
+                             torch.tensor([1.0]), 3)

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 def compiler() -> str:
@@ -142,6 +142,12 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_unpack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
     "hvdcomp_lane_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_encode_planes": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _INT,
+                              _POINTER],
+    "hvdcomp_sum_planes": [_POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_requantize_planes": [_POINTER, _INT, _INT, _INT, _INT, _FLOAT, _POINTER, _INT, _INT, _POINTER],
+    "hvdcomp_decode_planes": [_POINTER, _INT, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
+                              _POINTER],
 }
 
 

@@ -499,3 +499,160 @@ int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t wid
 }
 
 }  // extern "C"
+
+// ---- Bit planes: the two-stage exchange's messages (hvdcomp/exchange/two_stage.py, packing.pack_planes) --------
+// A row of n values of `width` bits is width planes of ceil(n / 8) bytes; plane k's byte j holds bit k of values
+// 8 j .. 8 j + 7, least significant bit first, zero bits past n.
+
+namespace {
+
+constexpr int64_t kMaxPlaneWidth = 24;  // three bytes per value in the transposes below
+
+inline bool planes_fit(int64_t width) { return width >= 1 && width <= kMaxPlaneWidth; }
+
+inline int64_t plane_stride(int64_t n) { return (n + 7) / 8; }
+
+// Plane bytes of 8 values (each below 2**width): planes[k * stride] <- bit k of v[0..8), k < width.
+inline void pack_8_planes(const int32_t* v, int64_t width, int64_t stride, uint8_t* planes) {
+  uint64_t bytes[3] = {0, 0, 0};  // bytes[b]: byte b of each value, value l in byte l
+  for (int l = 0; l < 8; ++l)
+    for (int b = 0; b < 3; ++b) bytes[b] |= static_cast<uint64_t>((v[l] >> (8 * b)) & 0xFF) << (8 * l);
+  for (int64_t k = 0; k < width; ++k)
+    planes[k * stride] = static_cast<uint8_t>(
+        (((bytes[k / 8] >> (k % 8)) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
+}
+
+// The 8 values whose bit k planes[k * stride] holds (k < width) into v[0..8).
+inline void unpack_8_planes(const uint8_t* planes, int64_t width, int64_t stride, int32_t* v) {
+  uint64_t bytes[3] = {0, 0, 0};
+  for (int64_t k = 0; k < width; ++k) bytes[k / 8] |= kByteBits[planes[k * stride]] << (k % 8);
+  for (int l = 0; l < 8; ++l)
+    v[l] = static_cast<int32_t>(((bytes[0] >> (8 * l)) & 0xFF) | (((bytes[1] >> (8 * l)) & 0xFF) << 8) |
+                                (((bytes[2] >> (8 * l)) & 0xFF) << 16));
+}
+
+// Planes of values[0..n) (a tile starting at value `at` of its row, at a multiple of 8) into the row's planes.
+inline void pack_tile(int32_t* values, int64_t n, int64_t at, int64_t width, int64_t stride, uint8_t* planes) {
+  std::fill(values + n, values + (n + 7) / 8 * 8, 0);
+  for (int64_t q = 0; q < (n + 7) / 8; ++q) pack_8_planes(values + 8 * q, width, stride, planes + at / 8 + q);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Stage one of the two-stage exchange for rows [row_first, row_last): row r holds values r chunk .. (r + 1) chunk - 1,
+// value i as sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse (coarse past numel), f_i its group's coarse / M
+// and U_i the rounding stream's uniform i (quantize.quantize_levels, two_stage.stage_one_message), in planes at
+// out + r row_bytes.
+int64_t hvdcomp_encode_planes(const float* x, int64_t numel, const int64_t* ends, const float* group_factors,
+                              int64_t groups, int64_t coarse, int64_t width, const int64_t* stream_words, int64_t chunk,
+                              int64_t row_first, int64_t row_last, int64_t row_bytes, uint8_t* out) {
+  if (numel < 0 || groups < 0 || coarse < 0 || !planes_fit(width) || 2 * coarse >= (int64_t{1} << width) ||
+      chunk < 0 || row_first < 0 || row_first > row_last || row_bytes < width * plane_stride(chunk))
+    return kBadArgument;
+  const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
+                 static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
+  const float limit = static_cast<float>(coarse);
+  const int32_t offset = static_cast<int32_t>(coarse);
+  const int64_t stride = plane_stride(chunk);
+  alignas(32) float noise[kChunk + 64], factors[kChunk];
+  alignas(32) int32_t values[kChunk + 8];
+  for (int64_t r = row_first; r < row_last; ++r)
+    for (int64_t at = 0; at < chunk; at += kChunk) {
+      const int64_t n = std::min(kChunk, chunk - at), start = r * chunk + at;
+      const int64_t valid = std::max<int64_t>(0, std::min(n, numel - start)), skip = start % 8;
+      draw(start - skip, (skip + n + 7) / 8 * 8, s, noise);
+      fill_factors(start, valid, ends, group_factors, groups, factors);
+      const float* xs = x + start;
+      for (int64_t i = 0; i < valid; ++i) {
+        float level = std::floor(std::fabs(xs[i]) * factors[i] + noise[skip + i]);
+        level = level < limit ? level : limit;
+        values[i] = static_cast<int32_t>(std::copysign(level, xs[i])) + offset;
+      }
+      std::fill(values + valid, values + n, offset);
+      pack_tile(values, n, at, width, stride, out + r * row_bytes);
+    }
+  return 0;
+}
+
+// sums[i] <- the sum over the rows (row r's planes at planes + r row_bytes) of their value i, for values [first, last)
+// of the n per row (first a multiple of 8).
+int64_t hvdcomp_sum_planes(const uint8_t* planes, int64_t rows, int64_t row_bytes, int64_t width, int64_t n,
+                           int64_t first, int64_t last, int32_t* sums) {
+  if (rows < 0 || n < 0 || !planes_fit(width) || row_bytes < width * plane_stride(n) || first < 0 || first % 8 ||
+      first > last || last > n || rows * ((int64_t{1} << width) - 1) > INT32_MAX)
+    return kBadArgument;
+  const int64_t stride = plane_stride(n);
+  for (int64_t q = first / 8; q < (last + 7) / 8; ++q) {
+    int32_t total[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
+    for (int64_t r = 0; r < rows; ++r) {
+      unpack_8_planes(planes + r * row_bytes + q, width, stride, v);
+      for (int l = 0; l < 8; ++l) total[l] += v[l];
+    }
+    const int64_t count = std::min<int64_t>(8, last - 8 * q);
+    std::copy(total, total + count, sums + 8 * q);
+  }
+  return 0;
+}
+
+// The owner's re-quantization (two_stage, step 3) of values [first, last) (first a multiple of 8) of its n summed
+// levels: t_i = (sums_i - total) / total, level sign(t_i) min(floor(|t_i| / scale coarse + U_i), coarse) + coarse with
+// U_i the stream's uniform i, into planes of n values.
+int64_t hvdcomp_requantize_planes(const int32_t* sums, int64_t n, int64_t total, int64_t coarse, int64_t width,
+                                  float scale, const int64_t* stream_words, int64_t first, int64_t last,
+                                  uint8_t* planes) {
+  if (n < 0 || total < 1 || coarse < 0 || !planes_fit(width) || 2 * coarse >= (int64_t{1} << width) || first < 0 ||
+      first % 8 || first > last || last > n || !(scale > 0.0f))
+    return kBadArgument;
+  const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
+                 static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
+  const float limit = static_cast<float>(coarse), divisor = static_cast<float>(total);
+  const int32_t offset = static_cast<int32_t>(coarse);
+  const int64_t stride = plane_stride(n);
+  alignas(32) float noise[kChunk + 64];
+  alignas(32) int32_t values[kChunk + 8];
+  for (int64_t at = first; at < last; at += kChunk) {
+    const int64_t m = std::min(kChunk, last - at);
+    draw(at, (m + 7) / 8 * 8, s, noise);
+    for (int64_t i = 0; i < m; ++i) {
+      const float mean = static_cast<float>(sums[at + i] - total) / divisor;
+      float level = std::floor(std::fabs(mean) / scale * limit + noise[i]);
+      level = level < limit ? level : limit;
+      values[i] = static_cast<int32_t>(std::copysign(level, mean)) + offset;
+    }
+    pack_tile(values, m, at, width, stride, planes);
+  }
+  return 0;
+}
+
+// The two-stage result for rows [row_first, row_last) of the gathered rows (row r's planes at planes + r row_bytes,
+// chunk values each): out[r chunk + j] <- ((v - coarse) row_factors[r]) f_i coarse for the value v of j, i = r chunk +
+// j < numel, f_i its group's M / coarse (0 past the last group).
+int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t width, int64_t chunk, int64_t numel,
+                              const float* row_factors, const int64_t* ends, const float* group_factors,
+                              int64_t groups, int64_t coarse, int64_t row_first, int64_t row_last, float* out) {
+  if (numel < 0 || groups < 0 || coarse < 0 || !planes_fit(width) || chunk < 0 || row_first < 0 ||
+      row_first > row_last || row_bytes < width * plane_stride(chunk))
+    return kBadArgument;
+  const int64_t stride = plane_stride(chunk);
+  const float levels = static_cast<float>(coarse);
+  const int32_t offset = static_cast<int32_t>(coarse);
+  alignas(32) float factors[kChunk];
+  alignas(32) int32_t values[kChunk + 8];
+  for (int64_t r = row_first; r < row_last; ++r)
+    for (int64_t at = 0; at < chunk; at += kChunk) {
+      const int64_t start = r * chunk + at, valid = std::max<int64_t>(0, std::min(std::min(kChunk, chunk - at),
+                                                                                   numel - start));
+      if (valid == 0) break;
+      for (int64_t q = 0; q < (valid + 7) / 8; ++q)
+        unpack_8_planes(planes + r * row_bytes + at / 8 + q, width, stride, values + 8 * q);
+      fill_factors(start, valid, ends, group_factors, groups, factors);
+      const float row_factor = row_factors[r];
+      for (int64_t i = 0; i < valid; ++i)
+        out[start + i] = static_cast<float>(values[i] - offset) * row_factor * factors[i] * levels;
+    }
+  return 0;
+}
+
+}  // extern "C"

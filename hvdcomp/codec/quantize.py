@@ -194,7 +194,7 @@ class MaxNormQuantizer:
         if agreed is None:
             if self.multiscale:
                 raise ValueError("multi-scale encode/decode needs the agreed resolutions")
-            return self._per_element(float(self.coarse_levels) / self._scales(scale_stats), groups, numel)
+            return self._per_element(self.group_units(scale_stats), groups, numel)
         inverse = self._per_element(1.0 / self._scales(scale_stats), groups, numel)
         return _times_levels(inverse, agreed, self.levels)
 
@@ -254,8 +254,16 @@ class MaxNormQuantizer:
         at ``SCALE_FLOOR``); valid until the quantizer's next per-element call."""
         return self._per_element(scale_stats[:-1], groups, numel)
 
+    def group_steps(self, scale_stats: torch.Tensor) -> torch.Tensor:
+        """float32 per scale group: ``M / s``, one level's worth (single resolution)."""
+        return self._scales(scale_stats) / float(self.coarse_levels)
+
+    def group_units(self, scale_stats: torch.Tensor) -> torch.Tensor:
+        """float32 per scale group: ``s / M``, the factor from values to levels (single resolution)."""
+        return float(self.coarse_levels) / self._scales(scale_stats)
+
     def step_sizes(self, scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
-        """float32 ``[numel]``: ``M / s`` per element, one level's worth (single resolution)."""
+        """float32 ``[numel]``: ``group_steps`` per element (a new tensor)."""
         return self._per_element(self._scales(scale_stats), groups, numel) / float(self.coarse_levels)
 
     def quantize_levels(self, x: torch.Tensor, scale_stats: torch.Tensor, groups: torch.Tensor,
@@ -288,7 +296,7 @@ class MaxNormQuantizer:
         check_stats(scale_stats, groups, x.numel())
         layout = self.payload_layout(world_size, word_bits)
         if agreed is None and not self.multiscale and native.usable(x):
-            return native.encode(x, groups, float(coarse) / self._scales(scale_stats), coarse, layout.lanes_per_word,
+            return native.encode(x, groups, self.group_units(scale_stats), coarse, layout.lanes_per_word,
                                  layout.lane_width, rng, out)
         units = self._encode_units(scale_stats, groups, agreed, x.numel())
         shifts = layout.lane_shifts(x.device)

@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
+from ..codec import native
 from ..codec.memory import ErrorFeedback
-from ..codec.packing import pack_planes, unpack_planes
+from ..codec.packing import pack_planes, plane_bytes, unpack_planes
 from ..codec.quantize import MaxNormQuantizer, stochastic_levels
 from ..codec.validate import check_bool, check_int
 from .bucket import ElementwiseCodec, Segments
@@ -55,16 +56,28 @@ from .elementwise import MaxNormCodec, warn_nonfinite
 from .hierarchy import shard_length
 from .protocol import Exchange, Op
 
+_TINY = torch.finfo(torch.float32).tiny  # the smallest chunk scale divided by
+
+
+def stage_one_rows(world_size: int, chunk: int, width: int, device: torch.device) -> torch.Tensor:
+    """uint8 ``[W, row]``: the stage-one message with each row's header written (row ``j``: ``j`` as int32) and room
+    after it for ``width`` bit planes of ``chunk`` values."""
+    rows = torch.empty(world_size, TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width), dtype=torch.uint8, device=device)
+    indices = torch.arange(world_size, dtype=torch.int32, device=device)
+    rows[:, :TWO_STAGE_HEADER_BYTES] = indices.view(torch.uint8).view(world_size, -1)
+    return rows
+
 
 def stage_one_message(levels: torch.Tensor, quantizer: MaxNormQuantizer, world_size: int) -> torch.Tensor:
     """uint8 ``[W, row]``: this worker's levels (int64 ``[n]`` in ``[-s, s]``) cut into ``W`` chunks, chunk
     ``j`` as row ``j``: its index (int32) then its levels offset to ``[0, 2 s]`` in bit planes."""
-    s = quantizer.coarse_levels
+    s, width = quantizer.coarse_levels, plain_width(quantizer.bits[0])
     chunk = shard_length(levels.numel(), world_size)
     padded = torch.full((world_size * chunk,), s, dtype=torch.int32, device=levels.device)
     padded[: levels.numel()] += levels.to(torch.int32)
-    header = torch.arange(world_size, dtype=torch.int32, device=levels.device).view(torch.uint8).view(world_size, -1)
-    return torch.cat([header, pack_planes(padded.view(world_size, chunk), plain_width(quantizer.bits[0]))], dim=1)
+    rows = stage_one_rows(world_size, chunk, width, levels.device)
+    rows[:, TWO_STAGE_HEADER_BYTES:] = pack_planes(padded.view(world_size, chunk), width)
+    return rows
 
 
 def stage_two_message(levels: torch.Tensor, scale: torch.Tensor, quantizer: MaxNormQuantizer) -> torch.Tensor:
@@ -129,20 +142,66 @@ class TwoStageMaxNorm(ElementwiseCodec):
         residual = None if self.memory is None else self.memory.residual(key, flat)
         values = flat if residual is None else flat + residual
         groups = quantizer.scale_groups(numel, layout)
+        # the native kernels compute what the eager steps below compute, without their level-sized temporaries
+        kernels = residual is None and numel > 0 and native.usable(flat)
 
         scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
         nonfinite = quantizer.saw_nonfinite(scale_stats)
         if nonfinite:
             warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        levels = quantizer.quantize_levels(values, scale_stats, groups, None, rounding)
-        step_sizes = quantizer.step_sizes(scale_stats, groups, numel)
-        if residual is not None and not nonfinite:
-            torch.sub(values, levels * step_sizes, out=residual)
+        if kernels:
+            message = stage_one_rows(world_size, chunk, width, flat.device)
+            native.encode_planes(values, groups, quantizer.group_units(scale_stats), s, width, rounding, chunk,
+                                 message, TWO_STAGE_HEADER_BYTES)
+        else:
+            levels = quantizer.quantize_levels(values, scale_stats, groups, None, rounding)
+            if residual is not None and not nonfinite:
+                torch.sub(values, levels * quantizer.step_sizes(scale_stats, groups, numel), out=residual)
+            message = stage_one_message(levels, quantizer, world_size)
 
-        received = yield Op.ALLTOALL, stage_one_message(levels, quantizer, world_size).reshape(-1)  # 2.
+        received = yield Op.ALLTOALL, message.reshape(-1)  # 2.
         rows = received.view(world_size, -1)
         index = int(rows[0, :TWO_STAGE_HEADER_BYTES].view(torch.int32))  # 3. this worker's chunk, summed exactly
+        owner_rounding = self.inner.rounding_stream((key, "owner"), step, flat.device)
+        if kernels:
+            reply = self._requantize_natively(rows, chunk, width, world_size, owner_rounding)
+        else:
+            reply = self._requantize(rows, index, chunk, scale_stats, groups, numel, world_size, key,
+                                     owner_rounding, nonfinite)
+
+        gathered = yield Op.ALLGATHER, reply  # 4.
+        rows = gathered.view(world_size, -1)
+        row_steps = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32) / s
+        if kernels:
+            result = native.decode_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk, numel, row_steps.reshape(-1),
+                                          groups, quantizer.group_steps(scale_stats), s)
+        else:
+            result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
+            result = result.mul_(row_steps).reshape(-1)[:numel]
+            result.mul_(quantizer.step_sizes(scale_stats, groups, numel)).mul_(s)
+        return result.fill_(float("nan")) if nonfinite else result
+
+    def _requantize_natively(self, rows: torch.Tensor, chunk: int, width: int, world_size: int,
+                             rounding: torch.Tensor) -> torch.Tensor:
+        """Step 3 by the kernels, without error feedback: the stage-two message of this worker's chunk."""
+        s = self.inner.quantizer.coarse_levels
+        total = world_size * s
+        sums = native.sum_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk)
+        low, high = torch.aminmax(sums)
+        chunk_scale = torch.tensor([max(int(high) - total, total - int(low))], dtype=torch.float32).div_(total)
+        reply = torch.empty(TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width), dtype=torch.uint8)
+        reply[:TWO_STAGE_HEADER_BYTES] = chunk_scale.view(torch.uint8)
+        native.requantize_planes(sums, total, s, width, max(float(chunk_scale), _TINY), rounding,
+                                 reply[TWO_STAGE_HEADER_BYTES:])
+        return reply
+
+    def _requantize(self, rows: torch.Tensor, index: int, chunk: int, scale_stats: torch.Tensor,
+                    groups: torch.Tensor, numel: int, world_size: int, key: Hashable, rounding: torch.Tensor,
+                    nonfinite: bool) -> torch.Tensor:
+        """Step 3 in eager steps, with the owner's error feedback: the stage-two message of chunk ``index``."""
+        quantizer = self.inner.quantizer
+        s, width = quantizer.coarse_levels, plain_width(quantizer.bits[0])
         level_sums = unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk).sum(dim=0) - world_size * s
         mean = level_sums.to(torch.float32).div_(world_size * s)  # in units of each element's M
         lo, hi = min(index * chunk, numel), min((index + 1) * chunk, numel)
@@ -155,19 +214,12 @@ class TwoStageMaxNorm(ElementwiseCodec):
             sent[: hi - lo] = quantizer.maxima(scale_stats, groups, numel)[lo:hi] > 0
             mean.add_(torch.where(sent, owner_residual / torch.where(sent, scale, 1.0), 0.0))
         chunk_scale = mean.abs().amax().reshape(1) if chunk else mean.new_zeros(1)
-        ratio = mean.abs().div_(chunk_scale.clamp_min(torch.finfo(torch.float32).tiny))
-        requantized = stochastic_levels(ratio.mul_(s), mean,
-                                        self.inner.rounding_stream((key, "owner"), step, flat.device), s)
+        ratio = mean.abs().div_(chunk_scale.clamp_min(_TINY))
+        requantized = stochastic_levels(ratio.mul_(s), mean, rounding, s)
         if owner_residual is not None and not nonfinite:
             lost = (mean - requantized * (chunk_scale / s)).mul_(scale)
             torch.where(sent, lost, owner_residual, out=owner_residual)
-
-        gathered = yield Op.ALLGATHER, stage_two_message(requantized, chunk_scale, quantizer)  # 4.
-        rows = gathered.view(world_size, -1)
-        scales = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32)
-        result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
-        result = result.mul_(scales / s).reshape(-1)[:numel].mul_(step_sizes).mul_(s)
-        return result.fill_(float("nan")) if nonfinite else result
+        return stage_two_message(requantized, chunk_scale, quantizer)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner codec's state and both stages' error-feedback memories."""
