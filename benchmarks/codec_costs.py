@@ -1,4 +1,4 @@
-"""Wire bytes per step and codec time per MB for every scheme on a ResNet-50-sized gradient.
+"""Wire bytes per step and codec time per MB for every scheme on a ResNet-50 gradient.
 
 One process plays one worker of a W-worker job: each collective the codec asks for is answered as if
 all W workers had sent the same tensor (sum = W x tensor, max = tensor), so the codec's own work —
@@ -8,23 +8,34 @@ gradients in backward (reverse) order, as in ``hvdcomp.DistributedOptimizer``.
 
 Each scheme runs eagerly and with its fused kernels (``hvdcomp.codec.fused``; compiled, or eager after a
 compile failure) in the same run; the first step of each is a warm-up (caches, compiles), not timed; the
-table gives both costs and their ratio, and ``ns/el`` is compress + decompress per element.
+table gives both costs and their ratio, and ``ns/el`` is compress + decompress per element. The gradient has the
+shapes of ``examples/models.py``'s ResNet-50 (23.52M parameters), the model ``benchmarks/cluster.py`` exchanges, so
+its in-situ ``codec ns/element`` compares with this table's.
 
-    python benchmarks/codec_costs.py --workers 8
+``--device cuda`` runs the codecs on the GPU (eager: torch kernels; fused: ``torch.compile``'s Triton kernels),
+synchronizing before each collective and at the end so that the times are the kernels'; ``GB/s`` is the fp32
+gradient's bytes over compress + decompress, to set against the device's memory bandwidth.
+
+    python benchmarks/codec_costs.py --workers 8 [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torchvision
 
 from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused
 from hvdcomp.exchange import FP16, ElementwiseCodec, MaxNormCodec, NoCompression, Placement, PowerSGD, Reduction
+from hvdcomp.exchange.protocol import Exchange, Op, relay
 from hvdcomp.exchange.stats import Traffic, counted
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from models import ResNet50  # noqa: E402
 
 
 def _fp16(error_feedback: bool = False, sums_float16: bool = False) -> FP16:
@@ -73,6 +84,22 @@ def _reply(reduction: Reduction, tensor: torch.Tensor, world_size: int) -> torch
     return tensor * world_size
 
 
+def _synchronized(exchange: Exchange, device: torch.device) -> Exchange:
+    """``exchange``, waiting for ``device``'s queued kernels before each request and at the end (a no-op on the
+    CPU), so that timing it times its kernels."""
+    def wait() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def after_wait(op: Op, tensor: torch.Tensor) -> tuple[Op, torch.Tensor]:
+        wait()
+        return op, tensor
+
+    value = yield from relay(exchange, after_wait)
+    wait()
+    return value
+
+
 def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int, traffic: Traffic) -> None:
     """One bucket exchange, every worker sending what this one sends; bytes and seconds go to ``traffic``."""
     if isinstance(codec, ElementwiseCodec):
@@ -80,7 +107,7 @@ def _run(codec, grads: list[torch.Tensor], key: str, step: int, world_size: int,
         exchange = codec.exchange(flat, [g.numel() for g in grads], key, step, world_size)
     else:
         exchange = codec.exchange(grads, key, step, world_size)
-    exchange = counted(exchange, traffic, Placement(0, world_size, world_size))
+    exchange = counted(_synchronized(exchange, grads[0].device), traffic, Placement(0, world_size, world_size))
     try:
         op, tensor = next(exchange)
         while True:
@@ -95,20 +122,24 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="world size the codecs pack for")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--only", nargs="*", default=None, help="run the schemes whose names contain one of these")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = [p.shape for p in torchvision.models.resnet50(num_classes=1000).parameters()]
+    device = torch.device(args.device)
+    shapes = [p.shape for p in ResNet50().parameters()]
     numel = sum(s.numel() for s in shapes)
     mb = 4 * numel / 2**20
     buckets = _buckets(shapes, args.bucket_mb)
     gen = torch.Generator().manual_seed(0)
-    grads = [[torch.randn(s, generator=gen) * 1e-3 for s in bucket] for bucket in buckets]
+    grads = [[(torch.randn(s, generator=gen) * 1e-3).to(device) for s in bucket] for bucket in buckets]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} thread(s)"
     print(f"ResNet-50 gradient: {numel / 1e6:.2f}M floats ({mb:.1f} MB fp32) in {len(buckets)} buckets, "
-          f"W = {args.workers}, {args.threads} thread(s)")
+          f"W = {args.workers}, {where}")
     print("| scheme | bytes sent per step | bits/element | eager compress ms/MB | eager decompress ms/MB | "
-          "fused compress ms/MB | fused decompress ms/MB | eager / fused | fused ns/el | fused warm-up s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "fused compress ms/MB | fused decompress ms/MB | eager / fused | fused ns/el | fused GB/s | "
+          "fused warm-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, make in SCHEMES.items():
         if args.only and not any(part in name for part in args.only):
             continue
@@ -129,7 +160,7 @@ def main() -> None:
         print(f"| {name} | {sent / 2**20:.2f} MiB | {8 * sent / numel:.2f} | {1e3 * eager_c / mb:.2f} | "
               f"{1e3 * eager_d / mb:.2f} | {1e3 * fused_c / mb:.2f} | {1e3 * fused_d / mb:.2f} | "
               f"{(eager_c + eager_d) / max(fused_c + fused_d, 1e-9):.1f} | {1e9 * (fused_c + fused_d) / numel:.2f} | "
-              f"{warmup:.1f} |")
+              f"{4 * numel / max(fused_c + fused_d, 1e-9) / 1e9:.1f} | {warmup:.1f} |")
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Pytest configuration: the ``mpi`` and ``slow`` markers; ``mpi`` tests skip where MPI is unavailable."""
+"""Pytest configuration: the ``mpi``, ``slow`` and ``gpu`` markers; ``mpi`` tests skip where MPI is unavailable."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ os.environ.setdefault("HVDCOMP_FUSED", "0")
 MARKERS = {
     "mpi": "launches workers with mpirun (needs Open MPI and Horovod built with MPI)",
     "slow": "takes more than a few seconds; deselect with -m 'not slow'",
+    "gpu": "needs a CUDA GPU (skipped without one); scripts/gpu_check.sh runs them",
 }
 
 

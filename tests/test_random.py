@@ -111,6 +111,7 @@ def test_stochastic_rounding_is_unbiased(value):
         assert z < 5 if spread > 1e-12 else float(rounded.mean()) == target
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_same_bits_on_gpu():
     words = stream_words(5, "seed", 3, "key")
