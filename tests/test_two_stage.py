@@ -4,7 +4,7 @@ in the one-process simulator."""
 import pytest
 import torch
 
-from hvdcomp.codec import fused, native
+from hvdcomp.codec import fused, native, native_planes
 from hvdcomp.codec.packing import bits_to_bytes, pack_planes, plane_bytes, unpack_planes
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words
@@ -267,14 +267,14 @@ def test_native_kernels_refuse_rows_too_small_for_their_planes():
     groups, units = torch.tensor([100]), torch.tensor([3.0])
     rng = stream_words(0, 1, "b")
     with pytest.raises(ValueError, match="do not hold"):
-        native.encode_planes(x, groups, units, 3, 3, rng, 50, torch.zeros(2, 4 + 3 * 6, dtype=torch.uint8), 4)
+        native_planes.encode_planes(x, groups, units, 3, 3, rng, 50, torch.zeros(2, 4 + 3 * 6, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match="do not hold"):
-        native.encode_planes(x, groups, units, 3, 3, rng, 40, torch.zeros(2, 4 + 3 * 7, dtype=torch.uint8), 4)
+        native_planes.encode_planes(x, groups, units, 3, 3, rng, 40, torch.zeros(2, 4 + 3 * 7, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match="do not hold"):
-        native.sum_planes(torch.zeros(2, 10, dtype=torch.uint8), 4, 3, 17)
+        native_planes.sum_planes(torch.zeros(2, 10, dtype=torch.uint8), 4, 3, 17)
     with pytest.raises(ValueError, match="plane"):
-        native.requantize_planes(torch.zeros(17, dtype=torch.int32), 6, 3, 3, 1.0, rng,
+        native_planes.requantize_planes(torch.zeros(17, dtype=torch.int32), 6, 3, 3, 1.0, rng,
                                  torch.zeros(8, dtype=torch.uint8))
     with pytest.raises(ValueError, match="row factors"):
-        native.decode_planes(torch.zeros(2, 30, dtype=torch.uint8), 4, 3, 50, 100, torch.ones(3), groups,
+        native_planes.decode_planes(torch.zeros(2, 30, dtype=torch.uint8), 4, 3, 50, 100, torch.ones(3), groups,
                              torch.tensor([1.0]), 3)

@@ -42,10 +42,8 @@ from .packing import (
 )
 from .random import uniform
 from .recycle import ResultBuffers
-from .validate import check_groups, check_int, check_stats
+from .validate import check_bits, check_groups, check_int, check_stats
 
-MIN_BITS = 1
-MAX_BITS = 16
 SCALE_FLOOR = 2.0**-100  # the smallest scale M rounding uses: s / M stays finite, M / (s W) normal for W <= 1024
 _LOOP_MAX_GROUPS = 16
 _LOOP_MIN_MEAN_LENGTH = 4096
@@ -68,18 +66,6 @@ def _signed_levels(x: torch.Tensor, units: torch.Tensor, coarse: int, rng: torch
     return stochastic_levels(x.abs().float() * units, x, rng, coarse, first)
 
 
-def _validate_bits(bits: Sequence[int]) -> tuple[int, ...]:
-    bits = tuple(bits)
-    if not bits:
-        raise ValueError("bits must name at least one resolution")
-    for b in bits:
-        if check_int("bits", b, MIN_BITS) > MAX_BITS:
-            raise ValueError(f"bits must be integers in [{MIN_BITS}, {MAX_BITS}], got {b!r}")
-    if any(lo >= hi for lo, hi in zip(bits, bits[1:])):
-        raise ValueError(f"multi-scale bits must be strictly increasing, got {bits}")
-    return bits
-
-
 class MaxNormQuantizer:
     """Unbiased max-norm quantizer at one (``bits=(b,)``) or several (``bits=(b1 < b2 < ...)``) resolutions.
 
@@ -94,7 +80,7 @@ class MaxNormQuantizer:
     """
 
     def __init__(self, bits: Sequence[int], chunk_size: int | None = None) -> None:
-        self.bits = _validate_bits(bits)
+        self.bits = check_bits(bits)
         self.chunk_size = None if chunk_size is None else check_int("chunk_size", chunk_size, 1)
         self.levels = tuple(2**b - 1 for b in self.bits)
         self._scale_scratch: torch.Tensor | None = None  # reused by _scale_per_element

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
 import torch
+
+MIN_BITS, MAX_BITS = 1, 16  # a max-norm resolution's bits per sign
+
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
@@ -50,3 +54,16 @@ def check_stats(scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> 
     if scale_stats.shape != (groups.numel() + 1,):
         raise ValueError(f"scale_stats of shape {tuple(scale_stats.shape)} do not fit {groups.numel()} scale groups "
                          f"(want [{groups.numel() + 1}]: a scale per group, then the nonfinite flag)")
+
+
+def check_bits(bits: Sequence[int]) -> tuple[int, ...]:
+    """Max-norm resolutions as a tuple: each an integer in ``[MIN_BITS, MAX_BITS]``, strictly increasing."""
+    bits = tuple(bits)
+    if not bits:
+        raise ValueError("bits must name at least one resolution")
+    for b in bits:
+        if check_int("bits", b, MIN_BITS) > MAX_BITS:
+            raise ValueError(f"bits must be integers in [{MIN_BITS}, {MAX_BITS}], got {b!r}")
+    if any(lo >= hi for lo, hi in zip(bits, bits[1:])):
+        raise ValueError(f"multi-scale bits must be strictly increasing, got {bits}")
+    return bits

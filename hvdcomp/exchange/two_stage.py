@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..codec import native
+from ..codec import native, native_planes
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import pack_planes, plane_bytes, unpack_planes
 from ..codec.quantize import MaxNormQuantizer, stochastic_levels
@@ -152,7 +152,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         if kernels:
             message = stage_one_rows(world_size, chunk, width, flat.device)
-            native.encode_planes(values, groups, quantizer.group_units(scale_stats), s, width, rounding, chunk,
+            native_planes.encode_planes(values, groups, quantizer.group_units(scale_stats), s, width, rounding, chunk,
                                  message, TWO_STAGE_HEADER_BYTES)
         else:
             levels = quantizer.quantize_levels(values, scale_stats, groups, None, rounding)
@@ -174,8 +174,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         rows = gathered.view(world_size, -1)
         row_steps = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32) / s
         if kernels:
-            result = native.decode_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk, numel, row_steps.reshape(-1),
-                                          groups, quantizer.group_steps(scale_stats), s)
+            result = native_planes.decode_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk, numel,
+                                                 row_steps.reshape(-1), groups, quantizer.group_steps(scale_stats), s)
         else:
             result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
             result = result.mul_(row_steps).reshape(-1)[:numel]
@@ -187,12 +187,12 @@ class TwoStageMaxNorm(ElementwiseCodec):
         """Step 3 by the kernels, without error feedback: the stage-two message of this worker's chunk."""
         s = self.inner.quantizer.coarse_levels
         total = world_size * s
-        sums = native.sum_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk)
+        sums = native_planes.sum_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk)
         low, high = torch.aminmax(sums)
         chunk_scale = torch.tensor([max(int(high) - total, total - int(low))], dtype=torch.float32).div_(total)
         reply = torch.empty(TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width), dtype=torch.uint8)
         reply[:TWO_STAGE_HEADER_BYTES] = chunk_scale.view(torch.uint8)
-        native.requantize_planes(sums, total, s, width, max(float(chunk_scale), _TINY), rounding,
+        native_planes.requantize_planes(sums, total, s, width, max(float(chunk_scale), _TINY), rounding,
                                  reply[TWO_STAGE_HEADER_BYTES:])
         return reply
 
