@@ -33,6 +33,7 @@ from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused
 from hvdcomp.exchange import FP16, ElementwiseCodec, MaxNormCodec, NoCompression, Placement, PowerSGD, Reduction
 from hvdcomp.exchange.protocol import Exchange, Op, relay
 from hvdcomp.exchange.stats import Traffic, counted
+from hvdcomp.exchange.two_stage import TwoStageMaxNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from models import ResNet50  # noqa: E402
@@ -54,6 +55,7 @@ SCHEMES = {
     "QSGDMaxNorm(8)": lambda: MaxNormCodec(MaxNormQuantizer((8,))),
     "QSGDMaxNorm(4)": lambda: MaxNormCodec(MaxNormQuantizer((4,))),
     "QSGDMaxNorm(2)": lambda: MaxNormCodec(MaxNormQuantizer((2,))),
+    "QSGDMaxNorm(4), two-stage": lambda: TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))), "two_stage"),
     "QSGDMaxNormMultiScale(4,8)": lambda: MaxNormCodec(MaxNormQuantizer((4, 8))),
     "GlobalRandKMaxNorm(1%, 8)": lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(ratio=0.01)),
     "PowerSGD(1)": lambda: PowerSGD(rank=1),

@@ -9,7 +9,15 @@ from hvdcomp.codec.packing import bits_to_bytes, pack_planes, plane_bytes, unpac
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words
 from hvdcomp.exchange import MaxNormCodec, Op, simulate
-from hvdcomp.exchange.cost import SCHEMES, choose_exchange, exchange_cost, plain_width, two_stage_row_bytes
+from hvdcomp.exchange.cost import (
+    SCHEMES,
+    CodecCost,
+    Link,
+    choose_exchange,
+    exchange_cost,
+    plain_width,
+    two_stage_row_bytes,
+)
 from hvdcomp.exchange.hierarchy import hierarchical_elementwise
 from hvdcomp.exchange.onebit import one_bit_route, two_stage_one_bit_mean
 from hvdcomp.exchange.protocol import Placement, drive_together, single
@@ -185,13 +193,19 @@ def test_cost_model_picks_by_world_size_nodes_and_bucket_size():
     bits_per_element = {w: exchange_cost("two_stage", big, 8, w)[0] * 8 / big for w in (2, 32, 4096)}
     assert all(bits <= 2 * plain_width(8) + 0.1 for bits in bits_per_element.values())  # constant in W
     assert exchange_cost("lanes", big, 8, 4096)[0] * 8 / big > 2 * 21
-    assert choose_exchange(big, 8, 32) == "two_stage"  # one worker per node: two-stage
-    assert choose_exchange(1000, 8, 4096) == "lanes"  # tiny chunks: headers and padding dominate
-    assert choose_exchange(big, 8, 64, workers_per_node=8) == "lanes"  # the all-to-all loads the uplink L times
-    costs = {scheme: exchange_cost(scheme, big, 8, 64, 8)[1] for scheme in SCHEMES}
+    gigabit, wire_only = Link(bandwidth=1.25e8), CodecCost(lanes=0.0, two_stage=0.0)
+    assert choose_exchange(big, 8, 32, link=gigabit) == "two_stage"  # one worker per node: two-stage
+    assert choose_exchange(big, 8, 32) == "lanes"  # at 10 Gbit/s its extra codec passes cost more than it saves
+    assert choose_exchange(big, 8, 32, codec=wire_only) == "two_stage"
+    assert choose_exchange(big, 4, 4, link=gigabit, codec=CodecCost(two_stage=20e-9)) == "lanes"
+    assert choose_exchange(1000, 8, 4096, codec=wire_only) == "lanes"  # tiny chunks: headers and padding dominate
+    # the all-to-all loads the uplink L times
+    assert choose_exchange(big, 8, 64, workers_per_node=8, link=gigabit, codec=wire_only) == "lanes"
+    costs = {scheme: exchange_cost(scheme, big, 8, 64, 8, gigabit)[1] for scheme in SCHEMES}
     assert min(costs, key=costs.get) == "hierarchical_two_stage"
     auto = _codecs(4, 8, exchange="auto")[0]
-    assert auto.choose(big, 32) == "two_stage" and auto.choose(10, 32) == "lanes" and auto.choose(big, 1) == "lanes"
+    assert auto.choose(big, 32) == choose_exchange(big, 8, 32) and auto.choose(10, 32) == "lanes"
+    assert auto.choose(big, 1) == "lanes"
     with pytest.raises(ValueError, match="two_stage"):
         TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4, 8))), "two_stage")
     with pytest.raises(ValueError, match="exchange"):

@@ -512,11 +512,25 @@ inline bool planes_fit(int64_t width) { return width >= 1 && width <= kMaxPlaneW
 
 inline int64_t plane_stride(int64_t n) { return (n + 7) / 8; }
 
+// Byte `b` of each of the 8 values v[0..8), value l in byte l of the result.
+inline uint64_t byte_of_8(const int32_t* v, int b) {
+#if defined(__AVX2__)
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i shifted = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)), 8 * b);
+  const __m256i picked = _mm256_shuffle_epi8(shifted, low_bytes);  // bytes 0..3 of each 128-bit half
+  return static_cast<uint32_t>(_mm256_extract_epi32(picked, 0)) |
+         static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(picked, 4))) << 32;
+#else
+  uint64_t word = 0;
+  for (int l = 0; l < 8; ++l) word |= static_cast<uint64_t>((v[l] >> (8 * b)) & 0xFF) << (8 * l);
+  return word;
+#endif
+}
+
 // Plane bytes of 8 values (each below 2**width): planes[k * stride] <- bit k of v[0..8), k < width.
 inline void pack_8_planes(const int32_t* v, int64_t width, int64_t stride, uint8_t* planes) {
-  uint64_t bytes[3] = {0, 0, 0};  // bytes[b]: byte b of each value, value l in byte l
-  for (int l = 0; l < 8; ++l)
-    for (int b = 0; b < 3; ++b) bytes[b] |= static_cast<uint64_t>((v[l] >> (8 * b)) & 0xFF) << (8 * l);
+  uint64_t bytes[3] = {byte_of_8(v, 0), width > 8 ? byte_of_8(v, 1) : 0, width > 16 ? byte_of_8(v, 2) : 0};
   for (int64_t k = 0; k < width; ++k)
     planes[k * stride] = static_cast<uint8_t>(
         (((bytes[k / 8] >> (k % 8)) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
@@ -524,11 +538,19 @@ inline void pack_8_planes(const int32_t* v, int64_t width, int64_t stride, uint8
 
 // The 8 values whose bit k planes[k * stride] holds (k < width) into v[0..8).
 inline void unpack_8_planes(const uint8_t* planes, int64_t width, int64_t stride, int32_t* v) {
-  uint64_t bytes[3] = {0, 0, 0};
+  uint64_t bytes[3] = {0, 0, 0};  // bytes[b]: byte b of each value, value l in byte l
   for (int64_t k = 0; k < width; ++k) bytes[k / 8] |= kByteBits[planes[k * stride]] << (k % 8);
+#if defined(__AVX2__)
+  __m256i values = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes[0])));
+  for (int b = 1; b < 3 && 8 * b < width; ++b)
+    values = _mm256_or_si256(values, _mm256_slli_epi32(
+                                         _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes[b]))), 8 * b));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(v), values);
+#else
   for (int l = 0; l < 8; ++l)
     v[l] = static_cast<int32_t>(((bytes[0] >> (8 * l)) & 0xFF) | (((bytes[1] >> (8 * l)) & 0xFF) << 8) |
                                 (((bytes[2] >> (8 * l)) & 0xFF) << 16));
+#endif
 }
 
 // Planes of values[0..n) (a tile starting at value `at` of its row, at a multiple of 8) into the row's planes.

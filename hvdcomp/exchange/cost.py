@@ -80,6 +80,21 @@ class Link:
     latency: float = 50e-6
 
 
+@dataclass(frozen=True)
+class CodecCost:
+    """A worker's codec seconds per element of a bucket (compress and decompress, one core) for each exchange:
+    the lanes' encode and decode, and the two-stage exchange's planes, its owner's sum and re-quantization and its
+    decode (native kernels, AMD EPYC: docs/benchmarks.md, "Codec cost of the exchanges")."""
+
+    lanes: float = 1.9e-9
+    two_stage: float = 4.8e-9
+
+    def seconds(self, scheme: str, numel: int) -> float:
+        """The codec time of a flat ``scheme`` (``SCHEMES``; the reduce-scatter of lanes as two-stage) on ``numel``
+        elements."""
+        return numel * (self.lanes if scheme == "lanes" else self.two_stage)
+
+
 def plain_width(bits: int) -> int:
     """Bits of a plainly packed signed level in ``[-s, s]``, ``s = 2**bits - 1``: ``bits + 1``."""
     return (2 * (2**bits - 1)).bit_length()
@@ -115,11 +130,11 @@ def _steps(reduction: Reduction, group_size: int) -> int:
 
 
 def exchange_cost(scheme: str, numel: int, bits: int, world_size: int, workers_per_node: int = 1,
-                  link: Link = Link()) -> tuple[float, float]:
+                  link: Link = Link(), codec: CodecCost = CodecCost()) -> tuple[float, float]:
     """``(uplink bytes, seconds)`` of one bucket of ``numel`` elements at ``bits`` bits, ``world_size`` workers of
     ``workers_per_node`` per node, for ``scheme`` (``SCHEMES``); seconds = uplink bytes / bandwidth + message
-    steps x latency (the node's uplink binds and intra-node traffic is free; on a single node, each worker's own
-    link). Per scheme:
+    steps x latency + the codec's time (the node's uplink binds and intra-node traffic is free; on a single node,
+    each worker's own link). Per scheme:
 
     - ``lanes``: the shared scale's MAX, then one SUM of ``bit_length(2 s W)``-bit lanes;
     - ``two_stage``: the MAX, an all-to-all of plain chunks, an all-gather of the re-quantized chunks;
@@ -133,7 +148,7 @@ def exchange_cost(scheme: str, numel: int, bits: int, world_size: int, workers_p
     if scheme.startswith("hierarchical_"):
         nodes = world_size // local
         shard = -(-numel // local)
-        uplink, seconds = exchange_cost(scheme[len("hierarchical_"):], shard, bits, nodes, 1, link)
+        uplink, seconds = exchange_cost(scheme[len("hierarchical_"):], shard, bits, nodes, 1, link, codec)
         return local * uplink, seconds + (local * uplink - uplink) / link.bandwidth
     # (reduction, bytes per worker, workers per node whose parts leave the node): ring collectives load an uplink as
     # one worker does; a reduce-scatter, as a ring, sends (G - 1) / G of the lanes, which an all-to-all of one
@@ -149,7 +164,7 @@ def exchange_cost(scheme: str, numel: int, bits: int, world_size: int, workers_p
         rounds += [(Reduction.ALLTOALL, lanes, 1), (Reduction.ALLGATHER, row, 1)]
     else:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    uplink = seconds = 0.0
+    uplink, seconds = 0.0, codec.seconds(scheme, numel)
     for reduction, payload, per_node in rounds:
         moved = node_uplink_bytes(reduction, payload, world_size, per_node)
         uplink += moved
@@ -157,8 +172,10 @@ def exchange_cost(scheme: str, numel: int, bits: int, world_size: int, workers_p
     return uplink, seconds
 
 
-def choose_exchange(numel: int, bits: int, world_size: int, workers_per_node: int = 1, link: Link = Link()) -> str:
-    """``"lanes"`` or ``"two_stage"`` for one bucket, whichever ``exchange_cost`` says is faster (ties: lanes)."""
-    lanes = exchange_cost("lanes", numel, bits, world_size, workers_per_node, link)[1]
-    two_stage = exchange_cost("two_stage", numel, bits, world_size, workers_per_node, link)[1]
+def choose_exchange(numel: int, bits: int, world_size: int, workers_per_node: int = 1, link: Link = Link(),
+                    codec: CodecCost = CodecCost()) -> str:
+    """``"lanes"`` or ``"two_stage"`` for one bucket, whichever ``exchange_cost`` says is faster (ties: lanes): the
+    two-stage exchange's extra codec time must be paid for by the bytes it saves on ``link``."""
+    lanes = exchange_cost("lanes", numel, bits, world_size, workers_per_node, link, codec)[1]
+    two_stage = exchange_cost("two_stage", numel, bits, world_size, workers_per_node, link, codec)[1]
     return "two_stage" if two_stage < lanes else "lanes"
