@@ -34,9 +34,10 @@ first exchange the workers agree on the codec, its settings and the plan (``hvdc
 **Binding.** ``register`` binds the state to its DDP model at once: the transport over the model's process group,
 DDP's ``bucket_cap_mb`` and the model's parameter names. ``hook()``'s state binds when DDP first calls the hook
 (every worker calls it at the same point): the transport over ``process_group`` (default: the default group), and
-the parameters named by their position in the model's order, read from that first step's buckets (DDP's first
-buckets cut the model's order into consecutive pieces and reduce the last piece first, alike on every worker), so
-the plan is ``register``'s. Codec state, checkpoints and results are the same either way.
+the parameters named by their position in that first step's buckets, alike on every worker. DDP's first step
+reduces the gradients of each dtype and device in one bucket, in the model's order, so for a model of one dtype
+and device the plan, and so the results, are ``register``'s (with several, its buckets may be numbered otherwise);
+checkpoints load into either.
 
 **no_sync.** DDP calls no hook inside ``no_sync()``; the gradients it accumulated go through the hook
 at the next synchronizing backward. ``stats.steps`` counts synchronizing steps.
@@ -79,7 +80,7 @@ class CompressionState:
     """
 
     __slots__ = ("transport", "_state", "_runner", "_hierarchical", "_group", "_bucket_size_mb", "_names", "_home",
-                 "_arrivals", "_first_buckets", "_destinations", "_futures", "_ready", "_next_launch", "_pending_load")
+                 "_arrivals", "_destinations", "_futures", "_ready", "_next_launch", "_pending_load")
 
     def __init__(self, state: ExchangeState, hierarchical: bool, process_group: Any, bucket_size_mb: float,
                  names: dict[Parameter, str] | None) -> None:
@@ -92,7 +93,6 @@ class CompressionState:
         self._names = names  # the model's parameters in its order, named alike on every worker; None: by position
         self._home: dict[Parameter, Bucket] = {}
         self._arrivals: list[tuple[Parameter, torch.Tensor]] = []  # this step's gradients not yet delivered
-        self._first_buckets: list[list[Parameter]] = []  # before the plan: the parameters of each DDP bucket
         self._destinations: dict[Parameter, torch.Tensor] = {}  # this step's DDP gradient views
         self._futures: list[tuple[torch.Tensor, torch.futures.Future]] = []
         self._ready: dict[Bucket, int] = {}
@@ -159,8 +159,6 @@ class CompressionState:
         future: torch.futures.Future = torch.futures.Future()
         self._futures.append((buffer, future))
         self._arrivals.extend(zip(bucket.parameters(), bucket.gradients()))
-        if not self._state.plan:
-            self._first_buckets.append(bucket.parameters())
         try:
             if not self._state.plan and bucket.is_last():
                 self._make_plan()
@@ -177,8 +175,8 @@ class CompressionState:
 
     def _make_plan(self) -> None:
         """Plan the codec buckets from the parameters DDP reduces (this first step's buckets)."""
-        if self._names is None:  # DDP's first buckets cut the model's order into pieces, which it reduces last first
-            params = list(dict.fromkeys(p for ddp_bucket in reversed(self._first_buckets) for p in ddp_bucket))
+        if self._names is None:  # by position in the first step's buckets, the same on every worker
+            params = list(dict.fromkeys(p for p, _ in self._arrivals))
             names = {p: f"parameter{i}" for i, p in enumerate(params)}
         else:
             unknown = [p for p, _ in self._arrivals if p not in self._names]
@@ -187,7 +185,6 @@ class CompressionState:
             order = {p: i for i, p in enumerate(self._names)}
             params, names = sorted({p for p, _ in self._arrivals}, key=order.__getitem__), self._names
         self._state.plan = plan_buckets(params, names, self._bucket_size_mb)
-        self._first_buckets.clear()
         self._home = {p: b for b in self._state.plan for p in b.params}
         self._ready = {b: 0 for b in self._state.plan}
 
@@ -237,7 +234,6 @@ class CompressionState:
     def _reset_step(self) -> None:
         self._futures, self._next_launch = [], 0
         self._arrivals.clear()
-        self._first_buckets.clear()
         self._destinations.clear()
         for codec_bucket in self._ready:
             self._ready[codec_bucket] = 0
