@@ -34,7 +34,7 @@ horovod: system-deps $(STAMP)/torch
 
 $(STAMP)/package: setup.py $(CONSTRAIN) | $(STAMP)/torch
 	$(MAKE) horovod
-	$(PIP) install -q -c $(CONSTRAIN) --no-build-isolation -e ".[horovod,mpi,examples,dev]"
+	$(PIP) install -q -c $(CONSTRAIN) --no-build-isolation -e ".[horovod,mpi,examples,dev,lightning]"
 	@touch $@
 
 install: system-deps horovod $(STAMP)/package

@@ -17,6 +17,7 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "examples": ["torchvision>=0.16", "tqdm>=4.60", "matplotlib>=3.5", "scikit-learn>=1.0"],
         "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.4"],
+        "lightning": ["lightning>=2.4"],  # the README's Lightning example and its test
     },
     license="Apache-2.0",
 )

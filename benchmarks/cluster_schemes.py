@@ -3,16 +3,17 @@ suffixes (in that order).
 
 Families:
 
-- ``horovod``: stock ``hvd.DistributedOptimizer``; ``fp32`` (``Compression.none``), ``fp16``;
-- ``ddp``: torch ``DistributedDataParallel`` over Gloo; ``fp32``, ``fp16`` (``fp16_compress_hook``),
-  ``powersgd1`` (``powerSGD_hook``, rank 1);
-- ``hvdcomp``: ``hvdcomp.DistributedOptimizer`` with ``none``, ``fp16``, ``qsgd<bits>``,
+- ``horovod``: stock ``hvd.DistributedOptimizer``; ``fp32`` (``Compression.none``), ``fp16``. No ``bf16``:
+  Horovod 0.28 has no bfloat16 tensors (``hvd.allreduce`` refuses them) and no bf16 ``Compression``;
+- ``ddp``: torch ``DistributedDataParallel`` over Gloo; ``fp32``, ``fp16`` (``fp16_compress_hook``), ``bf16``
+  (``bf16_compress_hook``), ``powersgd1`` (``powerSGD_hook``, rank 1);
+- ``hvdcomp``: ``hvdcomp.DistributedOptimizer`` with ``none``, ``fp16``, ``bf16``, ``qsgd<bits>``,
   ``multiscale48`` (bits 4 and 8), ``randk1`` (1% of each tensor, 8 bits), ``powersgd1``; or ``birder``
   (``hvdcomp.Birder``). ``:hier`` makes the exchange hierarchical (full precision inside a node, the
   compressed payload between nodes);
 - ``hvdcomp-ddp``: the same variants on torch DDP over Gloo, without Horovod: ``hvdcomp.ddp.register``'s
-  hook with ``None`` (``none``), ``FP16()``, ``MaxNormCodec``s (``qsgd<bits>``, ``multiscale48``, ``randk1``)
-  or ``PowerSGD(rank=1)``; ``birder``: ``hvdcomp.Birder`` over a ``TorchDistributedTransport``, no DDP.
+  hook with ``None`` (``none``), ``FP16()``, ``BF16()``, ``MaxNormCodec``s (``qsgd<bits>``, ``multiscale48``,
+  ``randk1``) or ``PowerSGD(rank=1)``; ``birder``: ``hvdcomp.Birder`` over a ``TorchDistributedTransport``, no DDP.
   ``:hier`` as for ``hvdcomp``;
 - ``stock``: stock ``hvd.DistributedOptimizer(compression=hvdcomp.QSGDMaxNorm(<bits>))``: ``qsgd<bits>``.
 
@@ -29,20 +30,22 @@ from dataclasses import dataclass
 
 FAMILIES = {
     "horovod": ("fp32", "fp16"),
-    "ddp": ("fp32", "fp16", "powersgd1"),
-    "hvdcomp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
-    "hvdcomp-ddp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
+    "ddp": ("fp32", "fp16", "bf16", "powersgd1"),
+    "hvdcomp": ("none", "fp16", "bf16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
+    "hvdcomp-ddp": ("none", "fp16", "bf16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
     "stock": ("qsgd<bits>",),
 }
 QSGD = re.compile(r"qsgd([1-9]|1[0-6])")
 HIERARCHICAL_FAMILIES = ("hvdcomp", "hvdcomp-ddp")
 TORCH_DISTRIBUTED_FAMILIES = ("ddp", "hvdcomp-ddp")  # workers join torch.distributed, not Horovod
-PAYLOAD_BITS = {"fp32": 32, "fp16": 16}  # bits per element of the uncompressed peers' payloads
+PAYLOAD_BITS = {"fp32": 32, "fp16": 16, "bf16": 16}  # bits per element of the uncompressed peers' payloads
+SIXTEEN_BIT_PEERS = ("horovod:fp16", "ddp:fp16", "ddp:bf16")  # the 16-bit all-reduces compression must beat
 
-DEFAULT = ("horovod:fp32", "horovod:fp16", "ddp:fp32", "ddp:fp16", "ddp:powersgd1", "hvdcomp:none",
-           "hvdcomp:fp16", "hvdcomp:qsgd2", "hvdcomp:qsgd4", "hvdcomp:qsgd8", "hvdcomp:multiscale48",
+DEFAULT = ("horovod:fp32", "horovod:fp16", "ddp:fp32", "ddp:fp16", "ddp:bf16", "ddp:powersgd1", "hvdcomp:none",
+           "hvdcomp:fp16", "hvdcomp:bf16", "hvdcomp:qsgd2", "hvdcomp:qsgd4", "hvdcomp:qsgd8", "hvdcomp:multiscale48",
            "hvdcomp:randk1", "hvdcomp:powersgd1", "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:fp16",
-           "hvdcomp-ddp:qsgd4", "hvdcomp-ddp:powersgd1")  # the other hvdcomp-ddp ones on request (--schemes)
+           "hvdcomp-ddp:bf16", "hvdcomp-ddp:qsgd4",
+           "hvdcomp-ddp:powersgd1")  # the other hvdcomp-ddp ones on request (--schemes)
 HIERARCHICAL_DEFAULT = ("hvdcomp:fp16:hier", "hvdcomp:qsgd4:hier", "hvdcomp:powersgd1:hier", "hvdcomp:birder:hier")
 QUICK = ("horovod:fp32", "horovod:fp16", "ddp:fp16", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp:powersgd1",
          "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:qsgd4")

@@ -74,7 +74,7 @@ def _hvdcomp_compression(variant: str, bits: int | None, scale: str = "ahead") -
 
     if bits is not None:
         return hvdcomp.QSGDMaxNorm(bits, scale=scale)
-    return {"none": hvdcomp.NoCompression, "fp16": hvdcomp.FP16,
+    return {"none": hvdcomp.NoCompression, "fp16": hvdcomp.FP16, "bf16": hvdcomp.BF16,
             "multiscale48": lambda: hvdcomp.QSGDMaxNormMultiScale((4, 8)),
             "randk1": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.01),
             "powersgd1": lambda: hvdcomp.PowerSGD(rank=1)}[variant]()
@@ -116,12 +116,12 @@ def _hvdcomp_ddp_codec(variant: str, bits: int | None) -> Any:
     """The bucket codec of an ``hvdcomp-ddp`` variant, built as ``resolve_codec`` builds it from the ``hvdcomp``
     compressor of the same name (``QSGDMaxNorm``, ``QSGDMaxNormMultiScale``, ``GlobalRandKMaxNorm``: their
     defaults), without Horovod; ``None`` for ``none`` (``register``'s fp32 mean)."""
-    from hvdcomp import FP16, MaxNormQuantizer, PowerSGD, RandomCoordinateSelector
+    from hvdcomp import BF16, FP16, MaxNormQuantizer, PowerSGD, RandomCoordinateSelector
     from hvdcomp.exchange import AheadMaxNorm, MaxNormCodec
 
     if bits is not None:  # QSGDMaxNorm's default scale="ahead"
         return AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((bits,))))
-    return {"none": lambda: None, "fp16": FP16,
+    return {"none": lambda: None, "fp16": FP16, "bf16": BF16,
             "multiscale48": lambda: MaxNormCodec(MaxNormQuantizer((4, 8))),
             "randk1": lambda: MaxNormCodec(MaxNormQuantizer((8,)), RandomCoordinateSelector(ratio=0.01)),
             "powersgd1": lambda: PowerSGD(rank=1)}[variant]()
@@ -165,6 +165,8 @@ def ddp_run(scheme: Scheme, model: nn.Module, init_method: str) -> Run:
     payload_bits: Callable[[], float | None] = lambda: PAYLOAD_BITS.get(scheme.variant)  # noqa: E731
     if scheme.variant == "fp16":
         module.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif scheme.variant == "bf16":
+        module.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif scheme.variant == "powersgd1":
         # start_powerSGD_iter=2: the smallest torch accepts with error feedback; warm-up covers it
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)

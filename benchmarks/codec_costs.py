@@ -42,7 +42,7 @@ from models import ResNet50  # noqa: E402
 def _fp16(error_feedback: bool = False, sums_float16: bool = False) -> FP16:
     """``FP16`` with its all-to-all and all-gather (Horovod, MPI), or one float16 SUM (torch.distributed)."""
     codec = FP16(error_feedback)
-    codec.sums_float16 = sums_float16  # what bind_transport reads from the transport
+    codec.sums_natively = sums_float16  # what bind_transport reads from the transport
     return codec
 
 

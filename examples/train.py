@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS  # noqa: E402
 
 import hvdcomp  # noqa: E402
-from hvdcomp import FP16, DistributedOptimizer, PowerSGD  # noqa: E402
+from hvdcomp import BF16, FP16, DistributedOptimizer, PowerSGD  # noqa: E402
 from hvdcomp.exchange import Statistics, Traffic  # noqa: E402
 
 MAX_NORM_SCHEMES = ("qsgd", "qsgd-multiscale", "randk", "randk-multiscale")
-SCHEMES = ("none", "fp16", *MAX_NORM_SCHEMES, "powersgd", "birder")
+SCHEMES = ("none", "fp16", "bf16", *MAX_NORM_SCHEMES, "powersgd", "birder")
 STOCK_SCHEMES = ("none", "fp16", *MAX_NORM_SCHEMES)  # what hvd.DistributedOptimizer's compression= takes
 GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 GLOO_TIMEOUT_PER_WORKER_PER_CORE_S = 30  # Horovod's default timeout, per worker beyond one per core
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ratio", type=float, default=None, help="randk: fraction of coordinates per step")
     p.add_argument("--k", type=int, default=None, help="randk: coordinates per tensor per step")
     p.add_argument("--rank", type=int, default=1, help="powersgd: approximation rank")
-    p.add_argument("--error-feedback", action="store_true", help="fp16 error feedback; randk: on by default")
+    p.add_argument("--error-feedback", action="store_true", help="fp16/bf16 error feedback; randk: on by default")
     p.add_argument("--no-error-feedback", action="store_true", help="randk: rescale by numel/k instead")
     p.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=None,
                    help="full precision inside nodes, compressed between; default: as horovodrun "
@@ -142,7 +142,7 @@ def _check_stock_door(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.scheme not in STOCK_SCHEMES:
         parser.error(f"--wrapper horovod takes --scheme {', '.join(STOCK_SCHEMES)}; --scheme {args.scheme} "
                      "needs --wrapper hvdcomp (PowerSGD is a bucket codec of hvdcomp.DistributedOptimizer, "
-                     "Birder an optimizer that exchanges by itself)")
+                     "Birder an optimizer that exchanges by itself, and Horovod has no bfloat16)")
     refused = [flag for flag, given in [
         ("--bucket-mb (Horovod fuses by HOROVOD_FUSION_THRESHOLD)", args.bucket_mb is not None),
         ("--hierarchical/--no-hierarchical (Horovod follows horovodrun --hierarchical-allreduce)",
@@ -210,6 +210,7 @@ def build_compression(args: argparse.Namespace) -> Any:
     return {
         "none": lambda: None,
         "fp16": lambda: FP16(error_feedback=args.error_feedback),
+        "bf16": lambda: BF16(error_feedback=args.error_feedback),
         "qsgd": lambda: hvdcomp.QSGDMaxNorm(bits[0], **options),
         "qsgd-multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale(tuple(bits), **options),
         "randk": lambda: hvdcomp.GlobalRandKMaxNorm(k=args.k, ratio=args.ratio, bits=bits[0], error_feedback=ef,

@@ -26,6 +26,7 @@ _HOMES = {
     "LaneLayout": ".codec",
     "MaxNormQuantizer": ".codec",
     "RandomCoordinateSelector": ".codec",
+    "BF16": ".exchange",
     "FP16": ".exchange",
     "NoCompression": ".exchange",
     "PowerSGD": ".exchange",

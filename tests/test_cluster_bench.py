@@ -35,20 +35,21 @@ def test_scheme_names():
     assert parse_scheme("hvdcomp:qsgd4:hier") == Scheme("hvdcomp", "qsgd4", True)
     assert parse_scheme("stock:qsgd8").qsgd_bits == 8
     assert parse_scheme("hvdcomp:birder").qsgd_bits is None
-    for variant in ("none", "fp16", "qsgd2", "qsgd8", "multiscale48", "randk1", "powersgd1", "birder"):
+    for variant in ("none", "fp16", "bf16", "qsgd2", "qsgd8", "multiscale48", "randk1", "powersgd1", "birder"):
         for name in (f"hvdcomp-ddp:{variant}", f"hvdcomp-ddp:{variant}:hier"):
             assert parse_scheme(name).name == name and parse_scheme(name).torch_distributed
     assert parse_scheme("hvdcomp-ddp:qsgd4:hier") == Scheme("hvdcomp-ddp", "qsgd4", True)
     assert parse_scheme("ddp:fp16").torch_distributed and not parse_scheme("hvdcomp:qsgd4").torch_distributed
     assert {"hvdcomp-ddp:fp16", "hvdcomp-ddp:qsgd4", "hvdcomp-ddp:powersgd1"} <= set(DEFAULT)
+    assert {"ddp:bf16", "hvdcomp:bf16", "hvdcomp-ddp:bf16"} <= set(DEFAULT)  # Horovod has no bfloat16
     assert "hvdcomp-ddp:birder" not in DEFAULT and [n for n in QUICK if n.startswith("hvdcomp-ddp:")]
     two_stage = parse_scheme("hvdcomp:qsgd8:hier:two_stage")
     assert two_stage == Scheme("hvdcomp", "qsgd8", True, True) and two_stage.exchange == "two_stage"
     assert two_stage.scale == "exact" and parse_scheme("hvdcomp:qsgd8").scale == "ahead"
     assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
     assert parse_scheme("hvdcomp:qsgd8").exchange == "lanes"
-    for bad in ("horovod:qsgd4", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp", "mpi:fp32",
-                "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
+    for bad in ("horovod:qsgd4", "horovod:bf16", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp",
+                "mpi:fp32", "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
                 "hvdcomp:fp16:two_stage", "hvdcomp-ddp:qsgd4:two_stage", "hvdcomp:qsgd4:two_stage:hier",
                 "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier"):
         with pytest.raises(ValueError, match="scheme"):
@@ -85,7 +86,7 @@ def test_hvdcomp_ddp_codecs_match_the_hvdcomp_schemes():
     """hvdcomp-ddp:X builds (without Horovod) the bucket codec that hvdcomp:X's compressor carries."""
     from hvdcomp.ddp import resolve_codec
 
-    for variant in ("none", "fp16", "qsgd4", "multiscale48", "randk1", "powersgd1"):
+    for variant in ("none", "fp16", "bf16", "qsgd4", "multiscale48", "randk1", "powersgd1"):
         bits = parse_scheme(f"hvdcomp-ddp:{variant}").qsgd_bits
         ours = resolve_codec(cluster_worker._hvdcomp_ddp_codec(variant, bits))
         theirs = resolve_codec(cluster_worker._hvdcomp_compression(variant, bits))
@@ -110,10 +111,22 @@ def test_records_and_table():
     hang = cluster_report.failed({**base, "scheme": "ddp:powersgd1"}, "hang", "no progress for 9 s")
     lines = cluster_report.table([fp32, record, hang]).splitlines()
     assert lines[0].startswith("| scheme | bits/element between nodes | median s | min s |")
+    assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (none ran) |")
     assert len({line.count("|") for line in lines}) == 1  # every row has every column
     assert lines[3] == "| hvdcomp:qsgd4 | 4.00 | 3.000 | 2.500 | 2.000 | 0.500 | 0.100 | 10500000.00 | ×2.00 | – |"
     assert record["codec_ns_per_element"] == pytest.approx(1e9 * 2.1 / 200)  # (compress + decompress) / element
     assert "hang: no progress for 9 s" in lines[4]
+
+    # the best 16-bit peer: the fastest of horovod:fp16, ddp:fp16 and ddp:bf16 in the same run
+    def peer(scheme, seconds):
+        return cluster_report.summarize({**base, "scheme": scheme},
+                                        [{"step_s": [seconds], "traffic": [None], "payload_bits": 16, "elements": 200}])
+
+    peers = [peer("horovod:fp16", 5.0), peer("ddp:bf16", 4.5), peer("ddp:fp16", 4.8), peer("hvdcomp:bf16", 1.0)]
+    lines = cluster_report.table([fp32, *peers, record]).splitlines()
+    assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (ddp:bf16) |")
+    assert lines[-1].endswith("| ×2.00 | ×1.50 |") and lines[4].endswith("| ×1.33 | ×1.00 |")
+    assert cluster_report.best_16_bit_peer({"hvdcomp:bf16": 1.0, "ddp:fp16": 3.0}) == "ddp:fp16"
 
 
 needs_cluster = pytest.mark.skipif(why_unavailable() is not None, reason=f"cluster benchmark: {why_unavailable()}")

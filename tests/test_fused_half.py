@@ -1,5 +1,5 @@
-"""FP16's fused kernels (``hvdcomp.codec.half``) equal their eager reference bit for bit, and the FP16
-exchange gives the same means and memories as its former eager code, in buffers kept across steps.
+"""FP16's and BF16's fused kernels (``hvdcomp.codec.half``) equal their eager reference bit for bit, and the FP16
+and BF16 exchanges give the same means and memories as FP16's former eager code, in buffers kept across steps.
 
 The kernels compile once per world size here (a few seconds, cached on disk by Inductor afterwards)."""
 
@@ -10,7 +10,7 @@ import torch
 
 from hvdcomp.codec import fused
 from hvdcomp.codec.half import add_rounding_error, mean_from_half_sums, round_to_half, sum_rows_to_half
-from hvdcomp.exchange.elementwise import FP16
+from hvdcomp.exchange.elementwise import BF16, FP16
 from hvdcomp.exchange.protocol import Op
 from hvdcomp.exchange.simulator import simulate
 
@@ -34,7 +34,7 @@ def _both_paths(run, *args):
 
 
 def _chunk_sum(rows):
-    out = torch.empty(rows.shape[1], dtype=torch.float16)
+    out = torch.empty(rows.shape[1], dtype=rows.dtype)
     sum_rows_to_half(rows, out)
     return (out,)
 
@@ -44,15 +44,15 @@ def _mean(sums, world_size, check_finite):
     return out, mean_from_half_sums(sums, world_size, out, check_finite)
 
 
-def _round_and_update(flat, residual):
-    """The float16 values in a send buffer (one element of padding) and the memory's update."""
-    send, memory = torch.zeros(flat.numel() + 1, dtype=torch.float16), residual.clone()
+def _round_and_update(flat, residual, dtype):
+    """The ``dtype`` values in a send buffer (one element of padding) and the memory's update."""
+    send, memory = torch.zeros(flat.numel() + 1, dtype=dtype), residual.clone()
     round_to_half(flat, memory, send[:-1])
     add_rounding_error(memory, flat, send[:-1])
     return send, memory
 
 
-BITS = {torch.float16: torch.int16, torch.float32: torch.int32}
+BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
 def _same_bits(a, b):
@@ -73,20 +73,21 @@ def _gradient(numel, generator, spread=1e3):
                                                                                       generator=generator)] * spread
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_half_kernels_fused_equal_eager(world_size):
+def test_half_kernels_fused_equal_eager(world_size, dtype):
     """The chunk sum, the mean with its NaN/Inf check and the memory's update, on ragged sizes, with sums
-    beyond float16's range and NaNs, on tensors laid out as FP16's (views of its buffers, received tensors)."""
+    beyond the dtype's range and NaNs, on tensors laid out as FP16's (views of its buffers, received tensors)."""
     gen = torch.Generator().manual_seed(world_size)
     for numel in SIZES:
-        received = _gradient(world_size * numel + 3, gen, spread=2e4).half()[:-3]  # [W * chunk] of a larger one
+        received = _gradient(world_size * numel + 3, gen, spread=2e4).to(dtype)[:-3]  # [W * chunk] of a larger one
         rows = received.view(world_size, numel)
         if numel > 1:
-            rows[:, 0] = 6e4  # the sum is beyond float16's range: Inf
+            rows[:, 0] = torch.finfo(dtype).max * 0.9  # the sum is beyond the dtype's range: Inf
             rows[world_size - 1, numel // 2] = float("nan")
         got, want = _both_paths(_chunk_sum, rows)
         assert _equal(got, want), numel
-        assert _same_bits(got[0], sum(row.float() for row in rows).half())  # rank order, rounded once
+        assert _same_bits(got[0], sum(row.float() for row in rows).to(dtype))  # rank order, rounded once
         if numel > 1:
             assert bool(torch.isinf(got[0]).any()) and bool(torch.isnan(got[0]).any())
 
@@ -98,17 +99,18 @@ def test_half_kernels_fused_equal_eager(world_size):
                 assert got_mean[1] == (bool(torch.isfinite(sums).all()) or not check_finite)
 
         flat, residual = _gradient(numel, gen), _gradient(numel, gen, spread=1e-3)
-        got, want = _both_paths(_round_and_update, flat, residual)
+        got, want = _both_paths(_round_and_update, flat, residual, dtype)
         assert _equal(got, want), numel
-        assert torch.equal(got[0][:numel], (residual + flat).half()) and got[0][numel] == 0
+        assert torch.equal(got[0][:numel], (residual + flat).to(dtype)) and got[0][numel] == 0
         assert torch.equal(got[1], residual + flat - got[0][:numel].float())
 
 
 def _former_exchange(codec, flat, key, world_size):
-    """FP16's exchange as it was before the fused kernels (the reference its results must keep)."""
+    """FP16's exchange as it was before the fused kernels (the reference its results must keep), in the codec's
+    16-bit dtype."""
     numel = flat.numel()
-    padded = numel if codec.sums_float16 else -(-numel // world_size) * world_size
-    send = torch.zeros(padded, dtype=torch.float16)
+    padded = numel if codec.sums_natively else -(-numel // world_size) * world_size
+    send = torch.zeros(padded, dtype=codec.half_dtype)
     half = send[:numel]
     residual = None
     if codec.memory is None:
@@ -116,7 +118,7 @@ def _former_exchange(codec, flat, key, world_size):
     else:
         residual = codec.memory.residual(key, flat)
         torch.add(residual, flat, out=half)
-    if codec.sums_float16:
+    if codec.sums_natively:
         total = yield Op.SUM, send
     else:
         received = yield Op.ALLTOALL, send
@@ -124,7 +126,7 @@ def _former_exchange(codec, flat, key, world_size):
         partial = rows[0].float()
         for row in rows[1:]:
             partial.add_(row)
-        total = yield Op.ALLGATHER, partial.half()
+        total = yield Op.ALLGATHER, partial.to(codec.half_dtype)
     mean = total[:numel].float().div_(world_size)
     if residual is not None and bool(torch.isfinite(mean).all()):
         residual.add_(flat).sub_(half)
@@ -132,26 +134,27 @@ def _former_exchange(codec, flat, key, world_size):
 
 
 class _Transport:
-    def __init__(self, rank, sums_float16):
-        self.rank, self.sums_float16 = rank, sums_float16
+    def __init__(self, rank, sums_natively):
+        self.rank, self.sums_float16, self.sums_bfloat16 = rank, sums_natively, sums_natively
 
 
+@pytest.mark.parametrize("codec_type", [FP16, BF16])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_fp16_exchange_keeps_its_results(world_size):
-    """Both requests (float16 SUM; all-to-all and all-gather), with and without error feedback, over
-    ragged buckets and steps of which one overflows float16: every worker's mean and memory equal the
+def test_half_exchange_keeps_its_results(world_size, codec_type):
+    """Both requests (16-bit SUM; all-to-all and all-gather), with and without error feedback, over
+    ragged buckets and steps of which one overflows the 16-bit dtype: every worker's mean and memory equal the
     former eager exchange's, on both kernel paths; the buffers are allocated once per bucket."""
     gen = torch.Generator().manual_seed(10 + world_size)
     sizes = {"a": 65536 + 5, "b": 31, "c": 1, "d": 0}
     steps = [{key: [_gradient(n, gen) for _ in range(world_size)] for key, n in sizes.items()} for _ in range(3)]
-    steps[1]["a"][world_size - 1][7] = 7e4  # beyond float16's range: this step's sum holds Inf
-    for sums_float16 in (False, True):
+    steps[1]["a"][world_size - 1][7] = 7e4 if codec_type is FP16 else float("inf")  # this step's sum holds Inf
+    for sums_natively in (False, True):
         for error_feedback in (False, True):
             runs = {}
             for path, context in (("fused", contextlib.nullcontext), ("eager", fused.eager), ("former", None)):
-                codecs = [FP16(error_feedback) for _ in range(world_size)]
+                codecs = [codec_type(error_feedback) for _ in range(world_size)]
                 for rank, codec in enumerate(codecs):
-                    codec.bind_transport(_Transport(rank, sums_float16))
+                    codec.bind_transport(_Transport(rank, sums_natively))
                 means, buffers = [], {}
                 for step, grads in enumerate(steps):
                     for key, workers in grads.items():
@@ -170,7 +173,7 @@ def test_fp16_exchange_keeps_its_results(world_size):
                 runs[path] = means, memories
             for path in ("fused", "eager"):
                 for got, want in zip(runs[path][0], runs["former"][0], strict=True):
-                    assert _equal(got, want), (path, sums_float16, error_feedback)
+                    assert _equal(got, want), (path, sums_natively, error_feedback)
                 for got, want in zip(runs[path][1], runs["former"][1], strict=True):
                     assert got.keys() == want.keys() and _equal(got.values(), want.values())
             overflow = runs["fused"][0][len(sizes)][0]  # step 1, bucket "a"

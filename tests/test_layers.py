@@ -38,7 +38,7 @@ LAYERS = ("codec", "exchange", "transport", "integrations")  # bottom to top
 PUBLIC = ("ConfigurationMismatchError", "QSGDMaxNorm", "QSGDMaxNormMultiScale", "GlobalRandKMaxNorm",
           "GlobalRandKMaxNormMultiScale",
           "MaxNormCompressor", "DistributedOptimizer", "Birder", "PowerSGD", "FP16", "NoCompression", "MPITransport",
-          "HorovodTransport", "TorchDistributedTransport", "CarrierMismatchError")
+          "BF16", "HorovodTransport", "TorchDistributedTransport", "CarrierMismatchError")
 
 
 def _imports(path):
@@ -112,7 +112,8 @@ def test_public_names_keep_working():
 
 
 def test_codecs_declare_the_contract():
-    for codec in (NoCompression(), FP16(), FP16(error_feedback=True), MaxNormCodec(hvdcomp.MaxNormQuantizer((8,)))):
+    for codec in (NoCompression(), FP16(), FP16(error_feedback=True), hvdcomp.BF16(), hvdcomp.BF16(error_feedback=True),
+                  MaxNormCodec(hvdcomp.MaxNormQuantizer((8,)))):
         assert isinstance(codec, ElementwiseCodec) and isinstance(codec, BucketCodec)
     assert isinstance(PowerSGD(), TensorCodec)
     for public in (hvdcomp.QSGDMaxNorm(4), hvdcomp.QSGDMaxNorm(4, scale="exact"), hvdcomp.QSGDMaxNormMultiScale(),

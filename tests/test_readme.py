@@ -5,7 +5,8 @@ Every ```python block of README.md runs in one of these tests:
 * the codec example (``Ternary`` and its simulator test) in this process; its codec is then checked to be
   unbiased, identical on every worker and resumable;
 * the blocks that use Horovod on 2 Gloo workers (``tests/harness.py``'s ``run_function``), in order;
-* the DDP block in a child process as a torch.distributed world of one (the variables torchrun sets).
+* the DDP block in a child process as a torch.distributed world of one (the variables torchrun sets);
+* the Lightning block as a script, whose 2 CPU workers Lightning starts itself.
 
 The snippets use ``model``, ``optimizer`` and ``batches`` as the user's own; the tests provide them with
 ``PREAMBLE`` (a tiny ``torch.nn.Linear`` model, SGD and a few random batches). A Horovod block that builds
@@ -47,6 +48,8 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def _kind(block: str) -> str:
+    if "import lightning" in block:
+        return "lightning"
     if "hvdcomp.ddp" in block and "register(" in block:
         return "ddp"
     if "hvd." in block or "hvdcomp.init" in block or "horovod" in block:
@@ -63,6 +66,7 @@ def test_every_python_block_is_run_by_a_test():
     kinds = [_kind(block) for block in blocks]
     assert kinds.count("codec") == 2, "the codec example: Ternary and its simulator test"
     assert kinds.count("ddp") == 1
+    assert kinds.count("lightning") == 1
     assert kinds.count("horovod") >= 3, "stock optimizer, DistributedOptimizer, Birder"
 
 
@@ -162,6 +166,28 @@ def test_readme_ddp_block_runs(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_readme_lightning_block_trains_identical_replicas_with_the_hook(tmp_path):
+    """Lightning's 2 workers each run the block; both end with the same parameters, having sent QSGD 4's bytes
+    (each worker's ``state.stats``) at every step."""
+    pytest.importorskip("lightning")
+    (block,) = _blocks("lightning")
+    report = ("\ntotal = state.stats.total\n"
+              "torch.save({'params': [p.detach() for p in model.parameters()], 'steps': state.stats.steps,\n"
+              "            'sent': total.inter_node_bytes, 'dense': total.uncompressed_bytes},\n"
+              "           f'result.{trainer.global_rank}.pt')\n")
+    (tmp_path / "lightning_block.py").write_text(block + report)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "lightning_block.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, second = (torch.load(tmp_path / f"result.{rank}.pt") for rank in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))
+    assert first["steps"] == second["steps"] == 2 * 64 // (2 * 8)  # every optimizer step went through the hook
+    assert first["sent"] == second["sent"] > 0
+    assert first["dense"] > 3 * first["sent"]  # 4-bit levels in int64 lanes, not float32
 
 
 # --- links ----------------------------------------------------------------------------------------------

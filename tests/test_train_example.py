@@ -21,6 +21,7 @@ QUICK = ["--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "32", "-
 SCHEMES = {
     "none": ([], 1.0, 1.0),
     "fp16": (["--error-feedback"], 2.0, 2.0),
+    "bf16": (["--error-feedback"], 1.99, 2.0),  # over Horovod: an all-to-all, odd buckets padded to W elements
     "qsgd": (["--bits", "8"], 2.5, 3.0),
     "qsgd-multiscale": (["--bits", "4", "8"], 2.5, 4.0),
     "randk": (["--ratio", "0.05", "--bits", "8"], 20.0, 80.0),
@@ -155,6 +156,7 @@ def test_stock_door_every_scheme_learns_and_counts_bytes(tmp_path, scheme):
 @pytest.mark.parametrize("argv, message", [
     (["--scheme", "powersgd"], "--scheme powersgd needs --wrapper hvdcomp"),
     (["--scheme", "birder"], "--scheme birder needs --wrapper hvdcomp"),
+    (["--scheme", "bf16"], "Horovod has no bfloat16"),
     (["--engine", "ddp"], "--wrapper horovod is for --engine horovod"),
     (["--scheme", "qsgd", "--bucket-mb", "8"], "does not take --bucket-mb"),
     (["--scheme", "qsgd", "--hierarchical"], "does not take --hierarchical"),

@@ -1,6 +1,7 @@
-"""Float16 exchange math (``hvdcomp.exchange.elementwise.FP16``): rounding a bucket to float16, with its
-error-feedback residual; summing W workers' float16 chunks at float32 in rank order, rounded once; the mean
-of the float16 sums; and the residual's update with what rounding lost. Pure tensor math, no collectives.
+"""16-bit float exchange math (``hvdcomp.exchange.elementwise.FP16`` and ``BF16``): rounding a bucket to float16
+or bfloat16 (the *half* dtype), with its error-feedback residual; summing W workers' half chunks at float32 in rank
+order, rounded once; the mean of the half sums; and the residual's update with what rounding lost. Pure tensor
+math, no collectives.
 
 Every function writes into buffers its caller keeps (``HalfBuffers`` per bucket, and the mean's). The passes over
 several tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`` with a residual,
@@ -18,31 +19,36 @@ import torch
 
 from .fused import FusedKernel, static
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 class HalfBuffers:
-    """One bucket's buffers, kept across steps: ``send`` (float16 ``[padded]``: the values rounded to float16,
-    then zeros; ``chunked``: ``padded`` is ``numel`` rounded up to a multiple of ``world_size``, else ``numel``)
-    and ``chunk_sum`` (float16 ``[padded / world_size]``: this worker's chunk of the sum, when ``chunked``; else
-    None)."""
+    """One bucket's buffers, kept across steps: ``send`` (``dtype``, a half dtype, ``[padded]``: the values rounded
+    to ``dtype``, then zeros; ``chunked``: ``padded`` is ``numel`` rounded up to a multiple of ``world_size``, else
+    ``numel``) and ``chunk_sum`` (``dtype`` ``[padded / world_size]``: this worker's chunk of the sum, when
+    ``chunked``; else None)."""
 
-    def __init__(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> None:
+    def __init__(self, numel: int, world_size: int, chunked: bool, device: torch.device, dtype: torch.dtype) -> None:
+        if dtype not in HALF_DTYPES:
+            raise ValueError(f"dtype must be one of {HALF_DTYPES}, got {dtype}")
         self.shape = (numel, world_size, chunked)
         padded = -(-numel // world_size) * world_size if chunked else numel
-        self.send = torch.zeros(padded, dtype=torch.float16, device=device)  # the padding stays 0
-        self.chunk_sum = torch.empty(padded // world_size, dtype=torch.float16, device=device) if chunked else None
+        self.send = torch.zeros(padded, dtype=dtype, device=device)  # the padding stays 0
+        self.chunk_sum = torch.empty(padded // world_size, dtype=dtype, device=device) if chunked else None
 
-    def fits(self, numel: int, world_size: int, chunked: bool, device: torch.device) -> bool:
-        """Whether these are the buffers ``HalfBuffers(numel, world_size, chunked, device)`` would make."""
-        return self.shape == (numel, world_size, chunked) and self.send.device == device
+    def fits(self, numel: int, world_size: int, chunked: bool, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether these are the buffers ``HalfBuffers(numel, world_size, chunked, device, dtype)`` would make."""
+        return self.shape == (numel, world_size, chunked) and self.send.device == device and self.send.dtype == dtype
 
 
-def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must be {dtype} of shape {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+def _check(name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
+    if tensor.dtype not in dtypes or tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))} of shape {shape}, got {tensor.dtype} "
+                         f"{tuple(tensor.shape)}")
 
 
 def _round_sum_eager(residual: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (float16) <- ``residual + flat`` at float32, rounded once."""
+    """``out`` (a half dtype) <- ``residual + flat`` at float32, rounded once."""
     torch.add(residual, flat, out=out)
 
 
@@ -56,7 +62,7 @@ def _sum_rows_eager(rows: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _mean_eager(sums: torch.Tensor, world_size: int, out: torch.Tensor) -> None:
-    """``out`` (float32) <- ``sums`` (float16) / ``world_size`` at float32."""
+    """``out`` (float32) <- ``sums`` (a half dtype) / ``world_size`` at float32."""
     out.copy_(sums).div_(world_size)
 
 
@@ -79,9 +85,10 @@ _add_rounding_error = FusedKernel(_add_rounding_error_eager, in_place=True)
 
 
 def round_to_half(flat: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> None:
-    """``out`` (float16 ``[n]``) <- ``residual + flat`` (float32 ``[n]`` each; ``flat`` alone without a
-    residual), added at float32 and rounded to float16 once, in one pass. Beyond float16's range: ±Inf."""
-    _check("out", out, torch.float16, tuple(flat.shape))
+    """``out`` (float16 or bfloat16 ``[n]``) <- ``residual + flat`` (float32 ``[n]`` each; ``flat`` alone without a
+    residual), added at float32 and rounded to ``out``'s dtype once (to nearest, ties to even), in one pass. Beyond
+    its range: ±Inf."""
+    _check("out", out, HALF_DTYPES, tuple(flat.shape))
     if residual is None:
         out.copy_(flat)
     else:
@@ -89,26 +96,27 @@ def round_to_half(flat: torch.Tensor, residual: torch.Tensor | None, out: torch.
 
 
 def sum_rows_to_half(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (float16 ``[c]``, or ``[R, c]``: every row gets it) <- the sum of the W rows of ``rows`` (float16
-    ``[W, c]``: one chunk per worker, by rank), added at float32 in rank order and rounded to float16 once, in
-    one pass."""
-    if rows.dtype != torch.float16 or rows.dim() != 2 or not rows.shape[0]:
-        raise ValueError(f"rows must be float16 [W >= 1, c], got {rows.dtype} {tuple(rows.shape)}")
+    """``out`` (``rows``' dtype ``[c]``, or ``[R, c]``: every row gets it) <- the sum of the W rows of ``rows``
+    (float16 or bfloat16 ``[W, c]``: one chunk per worker, by rank), added at float32 in rank order and rounded to
+    that dtype once, in one pass."""
+    if rows.dtype not in HALF_DTYPES or rows.dim() != 2 or not rows.shape[0]:
+        raise ValueError(f"rows must be float16 or bfloat16 [W >= 1, c], got {rows.dtype} {tuple(rows.shape)}")
     if out.dim() == 2:
-        _check("out", out, torch.float16, (out.shape[0], rows.shape[1]))
+        _check("out", out, (rows.dtype,), (out.shape[0], rows.shape[1]))
         _sum_rows(static(rows, 0), static(out, 0))  # one graph per (W, R)
     else:
-        _check("out", out, torch.float16, (rows.shape[1],))
+        _check("out", out, (rows.dtype,), (rows.shape[1],))
         _sum_rows(static(rows, 0), out)  # the loop over the rows unrolls: one graph per W
 
 
 def mean_from_half_sums(sums: torch.Tensor, world_size: int, out: torch.Tensor, check_finite: bool = False) -> bool:
-    """``out`` (float32 ``[n]``) <- ``sums`` (float16 ``[n]``, the workers' sum) / ``world_size``, in one pass.
+    """``out`` (float32 ``[n]``) <- ``sums`` (float16 or bfloat16 ``[n]``, the workers' sum) / ``world_size``, in one
+    pass.
 
     Returns False when ``check_finite`` and some mean is NaN or ±Inf (checked in the same pass), else True."""
-    _check("out", out, torch.float32, tuple(sums.shape))
-    if sums.dtype != torch.float16:
-        raise ValueError(f"sums must be float16, got {sums.dtype}")
+    _check("out", out, (torch.float32,), tuple(sums.shape))
+    if sums.dtype not in HALF_DTYPES:
+        raise ValueError(f"sums must be float16 or bfloat16, got {sums.dtype}")
     if not check_finite:
         _mean(sums, world_size, out)
         return True
@@ -116,7 +124,8 @@ def mean_from_half_sums(sums: torch.Tensor, world_size: int, out: torch.Tensor, 
 
 
 def add_rounding_error(residual: torch.Tensor, flat: torch.Tensor, half: torch.Tensor) -> None:
-    """In place, one pass: ``residual += flat - half`` (float32 ``residual`` and ``flat``, float16 ``half`` =
-    ``round_to_half(flat, residual)``), computed as ``(residual + flat) - half`` at float32: what rounding lost."""
-    _check("half", half, torch.float16, tuple(residual.shape))
+    """In place, one pass: ``residual += flat - half`` (float32 ``residual`` and ``flat``, float16 or bfloat16
+    ``half`` = ``round_to_half(flat, residual)``), computed as ``(residual + flat) - half`` at float32: what
+    rounding lost."""
+    _check("half", half, HALF_DTYPES, tuple(residual.shape))
     _add_rounding_error(residual, flat, half)

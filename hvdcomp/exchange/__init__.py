@@ -8,7 +8,7 @@
 - ``simulator``: W workers in one process (``simulate``);
 - ``bucket``: the bucket codec contract (``BucketCodec``, ``ElementwiseCodec``, ``TensorCodec``,
   ``Segments``);
-- ``elementwise``: ``NoCompression``, ``FP16``, ``MaxNormCodec``; ``powersgd``: ``PowerSGD``;
+- ``elementwise``: ``NoCompression``, ``FP16``, ``BF16``, ``MaxNormCodec``; ``powersgd``: ``PowerSGD``;
 - ``two_stage``: ``TwoStageMaxNorm``, max-norm levels at constant bits per element for any world size;
 - ``ahead``: ``AheadMaxNorm``, QSGD with the scale agreed one exchange ahead (no round before the payload);
 - ``hierarchy``: node-local full precision, compressed shards across nodes;
@@ -20,7 +20,7 @@ Importable without Horovod or mpi4py; ``hvdcomp.transport`` carries the requests
 
 from .ahead import AheadMaxNorm
 from .bucket import BucketCodec, ElementwiseCodec, Segments, TensorCodec
-from .elementwise import FP16, MaxNormCodec, NoCompression
+from .elementwise import BF16, FP16, MaxNormCodec, NoCompression
 from .powersgd import PowerSGD
 from .protocol import Exchange, Op, Placement, Reduction, Scope, Topology, Transport, drive, drive_together
 from .simulator import simulate
@@ -29,6 +29,7 @@ from .stats import Statistics, Traffic
 from .two_stage import TwoStageMaxNorm
 
 __all__ = [
+    "BF16",
     "FP16",
     "AheadMaxNorm",
     "BucketCodec",

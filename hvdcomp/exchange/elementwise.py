@@ -1,4 +1,4 @@
-"""Element-wise bucket codecs: plain all-reduce, float16, and the max-norm quantizer family.
+"""Element-wise bucket codecs: plain all-reduce, float16 and bfloat16, and the max-norm quantizer family.
 
 Each is an ``ElementwiseCodec`` (see ``bucket``): one bucket's flat float32 vector in, its mean over
 the workers out. ``MaxNormCodec`` is the all-reduce-compatible scheme of the paper: every worker
@@ -8,6 +8,7 @@ quantizes with the same scale and, optionally, the same random coordinates, so t
 from __future__ import annotations
 
 import warnings
+from abc import abstractmethod
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -64,51 +65,55 @@ class NoCompression(ElementwiseCodec):
         return tensor
 
 
-class FP16(ElementwiseCodec):
-    """Float16 sum over the workers (Horovod's fp16 compression), 16 bits per element on the wire.
+class HalfCodec(ElementwiseCodec):
+    """A sum over the workers in a 16-bit float dtype (``half_dtype``), 16 bits per element on the wire: the
+    exchange ``FP16`` and ``BF16`` share.
 
-    Over a transport that sums float16 at the wire's rate (``sums_float16``: torch.distributed's Gloo and
-    NCCL, as DDP's fp16 hook uses them, and ``HorovodTransport``: Horovod's own sum, or the chunked exchange
-    below in pieces where Horovod's Gloo sums float16 in software), one ``Op.SUM`` of the float16 bucket (the
-    transport's rounding: a ring rounds each partial sum, the pieces round once). Otherwise (MPI) a
-    reduce-scatter and an all-gather: ``Op.ALLTOALL`` of the float16 bucket (padded to a multiple of W) gives
-    each worker one chunk from every worker, which it sums at float32 and rounds to float16 once, then
-    ``Op.ALLGATHER_EQUAL`` of the float16 chunk sums (one shape on every worker). The bytes of a ring
-    all-reduce. Either way every worker gets the same sums.
+    Over a transport that sums ``half_dtype`` at the wire's rate (``sums_natively``, read from the transport by
+    ``bind_transport``), one ``Op.SUM`` of the 16-bit bucket (the transport's rounding: a ring rounds each partial
+    sum, the pieces round once). Otherwise a reduce-scatter and an all-gather: ``Op.ALLTOALL`` of the 16-bit bucket
+    (padded to a multiple of W) gives each worker one chunk from every worker, which it sums at float32 and rounds
+    to ``half_dtype`` once, then ``Op.ALLGATHER_EQUAL`` of the 16-bit chunk sums (one shape on every worker). The
+    bytes of a ring all-reduce. Either way every worker gets the same sums; the mean is float32 (the doors write it
+    into gradients of any floating dtype).
 
-    With ``error_feedback`` each worker keeps what rounding to float16 lost and adds it next step.
-    Values beyond float16's range become Inf, as with Horovod's own fp16 compression; a step whose
-    sum holds NaN/Inf (the same on every worker; ``torch.amp.GradScaler`` then skips it) leaves the
-    memory as it was.
+    With ``error_feedback`` each worker keeps what rounding to ``half_dtype`` lost and adds it next step. Values
+    beyond its range become Inf; a step whose sum holds NaN/Inf (the same on every worker; ``torch.amp.GradScaler``
+    then skips it) leaves the memory as it was.
 
     The math is ``hvdcomp.codec.half``'s (one fused pass each for the chunk sum, the mean with its NaN/Inf
     check, and the memory's update), into buffers kept per bucket. The mean is the caller's to keep: a buffer
     of ``ResultBuffers``, handed out again only once nothing refers to it.
     """
 
+    half_dtype: torch.dtype
     # Small buckets keep the first bucket's rounding and the last one's mean short, outside the wire's time
     # (docs/benchmarks.md).
     bucket_mb = 8.0
 
     def __init__(self, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None
-        self.sums_float16 = False  # the transport's (bind_transport)
+        self.sums_natively = False  # whether the transport sums half_dtype at the wire's rate (bind_transport)
         self._buffers: dict[Hashable, HalfBuffers] = {}  # per bucket, reused every step
         self.results = ResultBuffers()  # per bucket, the mean's
 
+    @abstractmethod
+    def transport_sums(self, transport: Any) -> bool:
+        """Whether ``transport`` (a ``protocol.Transport``) sums ``half_dtype`` at the wire's rate."""
+
     def bind_transport(self, transport: Any) -> None:
         super().bind_transport(transport)
-        self.sums_float16 = transport.sums_float16
+        self.sums_natively = self.transport_sums(transport)
 
     def config(self) -> tuple:
         """What every worker must share: whether rounding errors are fed back."""
         return (self.memory is not None,)
 
     def _buffers_for(self, key: Hashable, numel: int, world_size: int, device: torch.device) -> HalfBuffers:
-        chunked = not self.sums_float16  # the all-to-all sends W equal parts
+        chunked = not self.sums_natively  # the all-to-all sends W equal parts
         buffers = self._buffers.get(key)
-        if buffers is None or not buffers.fits(numel, world_size, chunked, device):
-            buffers = self._buffers[key] = HalfBuffers(numel, world_size, chunked, device)
+        if buffers is None or not buffers.fits(numel, world_size, chunked, device, self.half_dtype):
+            buffers = self._buffers[key] = HalfBuffers(numel, world_size, chunked, device, self.half_dtype)
         return buffers
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
@@ -117,7 +122,7 @@ class FP16(ElementwiseCodec):
         half = buffers.send[:flat.numel()]
         residual = None if self.memory is None else self.memory.residual(key, flat)
         round_to_half(flat, residual, out=half)
-        if self.sums_float16:
+        if self.sums_natively:
             total = yield Op.SUM, buffers.send
         else:
             received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
@@ -125,7 +130,7 @@ class FP16(ElementwiseCodec):
             total = yield Op.ALLGATHER_EQUAL, buffers.chunk_sum
         mean = self.results.take(key, flat.numel(), torch.float32, flat.device)
         finite = mean_from_half_sums(total[:flat.numel()], world_size, mean, check_finite=residual is not None)
-        if residual is not None and finite:  # what rounding to float16 lost
+        if residual is not None and finite:  # what rounding lost
             add_rounding_error(residual, flat, half)
         return mean
 
@@ -141,6 +146,21 @@ class FP16(ElementwiseCodec):
         if self.memory is not None:
             self.memory.load_state_dict(state)
 
+
+class FP16(HalfCodec):
+    """Float16 sum over the workers (Horovod's fp16 compression; ``HalfCodec``'s exchange), 16 bits per element.
+
+    The transports that sum float16 at the wire's rate (``Transport.sums_float16``): torch.distributed's Gloo and
+    NCCL, as DDP's ``fp16_compress_hook`` uses them, and ``HorovodTransport`` where Horovod's Gloo has the F16C/AVX
+    sum; elsewhere (MPI, Horovod as released) the all-to-all and all-gather. Values beyond float16's range become
+    Inf, as with Horovod's own fp16 compression.
+    """
+
+    half_dtype = torch.float16
+
+    def transport_sums(self, transport: Any) -> bool:
+        return transport.sums_float16
+
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         """Horovod's ``Compression.fp16`` for its stock optimizer: a floating-point ``tensor`` cast to float16 (others
         as they are), and its dtype as the context. Error feedback needs the bucket exchange: ``TypeError``."""
@@ -152,6 +172,31 @@ class FP16(ElementwiseCodec):
     def decompress(self, tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
         """The reduced float16 ``tensor`` back in its dtype ``ctx``."""
         return tensor.to(ctx) if ctx.is_floating_point else tensor
+
+
+class BF16(HalfCodec):
+    """Bfloat16 sum over the workers (``HalfCodec``'s exchange), 16 bits per element: float32's range with 8
+    significant bits, so no gradient overflows where float32 would not.
+
+    The sum runs where ``FP16``'s does. Over torch.distributed (``Transport.sums_bfloat16``: Gloo and NCCL sum
+    bfloat16) one ``Op.SUM`` of the bfloat16 bucket, what DDP's ``bf16_compress_hook`` sends, so the DDP door costs
+    what its peer costs (a ring rounds each partial sum to bfloat16). Horovod 0.28 has no bfloat16 tensors and
+    MPI no bfloat16 datatype: there the all-to-all and all-gather route, whose transports carry bfloat16 as 16-bit
+    words (``HorovodTransport`` and ``MPITransport`` view it as int16) and whose chunk sums run at float32, rounded
+    to bfloat16 once. Either way 16 bits per element cross the wire.
+
+    Horovod's own ``hvd.DistributedOptimizer`` cannot send bfloat16: ``compress`` raises ``TypeError``.
+    """
+
+    half_dtype = torch.bfloat16
+
+    def transport_sums(self, transport: Any) -> bool:
+        return transport.sums_bfloat16
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """``TypeError``: Horovod 0.28 all-reduces no bfloat16 tensors; ``BF16`` runs in hvdcomp's doors."""
+        raise TypeError("BF16() needs hvdcomp's bucket exchange (Horovod has no bfloat16 all-reduce): use "
+                        "hvdcomp.DistributedOptimizer or hvdcomp.ddp")
 
 
 class MaxNormCodec(ElementwiseCodec):

@@ -168,12 +168,15 @@ class Transport(Topology, Protocol):
     collective before returning (MPI) or queues it (torch.distributed); every worker must then start
     them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at
     the wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so
-    codecs may ask for it (``FP16``); a transport never does arithmetic of its own. Transports subclass this
-    class, so the defaults below are theirs unless they say otherwise.
+    codecs may ask for it (``FP16``); ``sums_bfloat16`` (default False) likewise for bfloat16 (torch.distributed;
+    ``BF16``). A transport never does arithmetic of its own. Every transport moves float16 and bfloat16 tensors
+    (all-to-all, all-gather). Transports subclass this class, so the defaults below are theirs unless they say
+    otherwise.
     """
 
     blocking: bool
     sums_float16: bool = False
+    sums_bfloat16: bool = False
 
     def forget_topology(self) -> None:
         """Read the topology anew at its next use (after the launcher re-initialised the workers: elastic

@@ -12,5 +12,5 @@
   its checkpoints;
 - ``launch``: ``hvdcomp.init`` and Horovod's hierarchical setting; ``warmup``: the stock path's gradients sent
   uncompressed (warm-up, small gradients).
-- ``ddp``: the PyTorch DDP communication hook (``register``, ``CompressionState``), public as ``hvdcomp.ddp``.
+- ``ddp``: the PyTorch DDP communication hook (``register``, ``hook``, ``CompressionState``), public as ``hvdcomp.ddp``.
 """

@@ -1,4 +1,6 @@
-"""hvdcomp's bucket codecs on PyTorch DDP: ``register`` a communication hook, keep its ``CompressionState``.
+"""hvdcomp's bucket codecs on PyTorch DDP: ``register`` a communication hook, keep its ``CompressionState``; or
+take ``hook()``'s ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)`` (torch's convention, which
+trainers such as Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` follow).
 
 DDP owns bucketing, overlap with backward and ``no_sync``; a hook (``hook(state, bucket) -> Future``,
 torch's ``ddp_comm_hooks`` contract) owns the codec and its collectives, which run over a
@@ -29,6 +31,14 @@ rebuilt steps and a resumed run exchange exactly alike. Every worker sees the sa
 are the same on every worker), so every worker starts the same collectives in the same order. Before the
 first exchange the workers agree on the codec, its settings and the plan (``hvdcomp.exchange.state``).
 
+**Binding.** ``register`` binds the state to its DDP model at once: the transport over the model's process group,
+DDP's ``bucket_cap_mb`` and the model's parameter names. ``hook()``'s state binds when DDP first calls the hook
+(every worker calls it at the same point): the transport over ``process_group`` (default: the default group), and
+the parameters named by their position in that first step's buckets, alike on every worker. DDP's first step
+reduces the gradients of each dtype and device in one bucket, in the model's order, so for a model of one dtype
+and device the plan, and so the results, are ``register``'s (with several, its buckets may be numbered otherwise);
+checkpoints load into either.
+
 **no_sync.** DDP calls no hook inside ``no_sync()``; the gradients it accumulated go through the hook
 at the next synchronizing backward. ``stats.steps`` counts synchronizing steps.
 
@@ -57,10 +67,11 @@ from .resolve import resolve_codec, resolve_warmup
 
 Parameter = torch.nn.Parameter
 DOOR = "hvdcomp.ddp"
+DDP_BUCKET_CAP_MB = 25.0  # DistributedDataParallel's default bucket_cap_mb
 
 
 class CompressionState:
-    """What the hook keeps between steps (see the module docstring); built by ``register``.
+    """What the hook keeps between steps (see the module docstring); built by ``register`` or ``hook``.
 
     ``stats``: ``hvdcomp.exchange.Statistics`` (bytes intra-/inter-node, uncompressed, seconds) per
     synchronizing step and in total. ``state_dict()`` / ``load_state_dict()``: the exchange state
@@ -68,22 +79,43 @@ class CompressionState:
     worker), and every worker must load one or none (checked, on every worker, at the next exchange).
     """
 
-    __slots__ = ("transport", "_state", "_runner", "_bucket_size_mb", "_names", "_home", "_arrivals",
-                 "_destinations", "_futures", "_ready", "_next_launch")
+    __slots__ = ("transport", "_state", "_runner", "_hierarchical", "_group", "_bucket_size_mb", "_names", "_home",
+                 "_arrivals", "_destinations", "_futures", "_ready", "_next_launch", "_pending_load")
 
-    def __init__(self, state: ExchangeState, transport: TorchDistributedTransport, hierarchical: bool,
-                 bucket_size_mb: float, names: dict[Parameter, str]) -> None:
-        self.transport = transport
+    def __init__(self, state: ExchangeState, hierarchical: bool, process_group: Any, bucket_size_mb: float,
+                 names: dict[Parameter, str] | None) -> None:
+        self.transport: TorchDistributedTransport | None = None  # bind()
         self._state = state
-        self._runner = Runner(transport, state.stats, "hvdcomp.ddp", state, hierarchical)
+        self._runner: Runner | None = None
+        self._hierarchical = hierarchical
+        self._group = process_group  # None: the default group
         self._bucket_size_mb = bucket_size_mb
-        self._names = names  # the model's parameters in its order, named alike on every worker
+        self._names = names  # the model's parameters in its order, named alike on every worker; None: by position
         self._home: dict[Parameter, Bucket] = {}
         self._arrivals: list[tuple[Parameter, torch.Tensor]] = []  # this step's gradients not yet delivered
         self._destinations: dict[Parameter, torch.Tensor] = {}  # this step's DDP gradient views
         self._futures: list[tuple[torch.Tensor, torch.futures.Future]] = []
         self._ready: dict[Bucket, int] = {}
         self._next_launch = 0
+        self._pending_load: dict[str, Any] | None = None  # loaded before bind(): applied there
+
+    def bind(self) -> None:
+        """Build the transport over the process group (collective: every worker binds at the same point), bind the
+        codec to it and apply a state loaded before. ``register`` calls it; ``hook``'s state at its first call."""
+        transport = TorchDistributedTransport(self._group)
+        if self._hierarchical and not (transport.equal_nodes and transport.size == dist.get_world_size()):
+            raise ValueError(f"hierarchical=True needs the default process group and equal nodes of consecutive "
+                             f"ranks (LOCAL_WORLD_SIZE {transport.local_size} of {transport.size} workers, not the "
+                             "same on every node, or a smaller group); pass hierarchical=False")
+        self._state.codec.bind_transport(transport)
+        self.transport = transport
+        self._runner = Runner(transport, self._state.stats, "hvdcomp.ddp", self._state, self._hierarchical)
+        if self._pending_load is not None:
+            self._state.load_state_dict(self._pending_load, transport)
+            self._pending_load = None
+
+    def _world_size(self) -> int:
+        return self.transport.size if self.transport is not None else dist.get_world_size(self._group)
 
     @property
     def codec(self) -> Any:
@@ -101,14 +133,20 @@ class CompressionState:
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly (``ExchangeState.state_dict``)."""
-        return self._state.state_dict(self.transport.size)
+        if self._pending_load is not None:
+            return self._pending_load
+        return self._state.state_dict(self._world_size())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load ``state_dict()``'s output; ``ValueError`` before anything changes if it does not fit."""
+        """Load ``state_dict()``'s output; ``ValueError`` before anything changes if it does not fit. Before the
+        state is bound (``hook()``'s, before its first call), it is applied when it binds."""
         if self._futures:
             raise RuntimeError("load_state_dict() was called in the middle of a backward pass")
-        self._state.check_state(state, self.transport.size)
-        self._state.load_state_dict(state, self.transport)
+        self._state.check_state(state, self._world_size())
+        if self.transport is None:
+            self._pending_load = state
+        else:
+            self._state.load_state_dict(state, self.transport)
 
     # -- the hook ------------------------------------------------------------------------------------------
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -116,6 +154,8 @@ class CompressionState:
         buffer = bucket.buffer()
         if buffer.is_sparse:
             raise TypeError("hvdcomp's DDP hook needs dense gradients; sparse gradients are not supported")
+        if self.transport is None:
+            self.bind()
         future: torch.futures.Future = torch.futures.Future()
         self._futures.append((buffer, future))
         self._arrivals.extend(zip(bucket.parameters(), bucket.gradients()))
@@ -135,12 +175,16 @@ class CompressionState:
 
     def _make_plan(self) -> None:
         """Plan the codec buckets from the parameters DDP reduces (this first step's buckets)."""
-        unknown = [p for p, _ in self._arrivals if p not in self._names]
-        if unknown:
-            raise RuntimeError(f"DDP reduces {len(unknown)} parameters that ddp_model.parameters() does not list")
-        order = {p: i for i, p in enumerate(self._names)}
-        params = sorted({p for p, _ in self._arrivals}, key=order.__getitem__)
-        self._state.plan = plan_buckets(params, self._names, self._bucket_size_mb)
+        if self._names is None:  # by position in the first step's buckets, the same on every worker
+            params = list(dict.fromkeys(p for p, _ in self._arrivals))
+            names = {p: f"parameter{i}" for i, p in enumerate(params)}
+        else:
+            unknown = [p for p, _ in self._arrivals if p not in self._names]
+            if unknown:
+                raise RuntimeError(f"DDP reduces {len(unknown)} parameters that ddp_model.parameters() does not list")
+            order = {p: i for i, p in enumerate(self._names)}
+            params, names = sorted({p for p, _ in self._arrivals}, key=order.__getitem__), self._names
+        self._state.plan = plan_buckets(params, names, self._bucket_size_mb)
         self._home = {p: b for b in self._state.plan for p in b.params}
         self._ready = {b: 0 for b in self._state.plan}
 
@@ -205,6 +249,16 @@ compression_hook.__annotations__.update(bucket=dist.GradBucket, state=Compressio
 compression_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
+def _state(compression: Any, process_group: Any, hierarchical: bool | None, bucket_size_mb: float,
+           names: dict[Parameter, str] | None) -> CompressionState:
+    """An unbound ``CompressionState`` for ``compression``; every argument checked, on every worker alike."""
+    codec = resolve_codec(compression)
+    hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
+    check_real("bucket_size_mb", bucket_size_mb, low_open=True)
+    exchange_state = ExchangeState(codec, DOOR, {"hierarchical": hierarchical}, resolve_warmup(compression, None))
+    return CompressionState(exchange_state, hierarchical, process_group, bucket_size_mb, names)
+
+
 def register(ddp_model: DistributedDataParallel, compression: Any, process_group: Any = None,
              hierarchical: bool | None = None, bucket_size_mb: float | None = None) -> CompressionState:
     """Register ``compression_hook`` on ``ddp_model`` (``ddp_model.register_comm_hook``) and return its state.
@@ -215,9 +269,11 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
         compression: ``None`` (fp32 mean), a bucket codec (``hvdcomp.NoCompression()``, ``hvdcomp.FP16()``,
-            ``hvdcomp.PowerSGD(rank=1)``, a ``MaxNormCodec``), or an hvdcomp compressor
+            ``hvdcomp.BF16()``, ``hvdcomp.PowerSGD(rank=1)``, a ``MaxNormCodec``), or an hvdcomp compressor
             (``hvdcomp.QSGDMaxNorm(8)``, ``QSGDMaxNormMultiScale``, ``GlobalRandKMaxNorm``,
-            ``GlobalRandKMaxNormMultiScale``: their codec is used). One compression object per model.
+            ``GlobalRandKMaxNormMultiScale``: their codec is used). One compression object per model. Gradients
+            may be float32, float16 or bfloat16 (codecs compute in float32); each mean is written back in its
+            gradient's dtype.
         process_group: the workers to average over (default: the DDP model's process group).
         hierarchical: ``True``: full precision inside nodes, compressed between them (needs the default
             process group and equal nodes of consecutive ranks, as torchrun places them). ``None`` or
@@ -231,20 +287,33 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
-    codec = resolve_codec(compression)
-    hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
     if bucket_size_mb is None:
         bucket_size_mb = ddp_model.bucket_bytes_cap / 2**20
-    check_real("bucket_size_mb", bucket_size_mb, low_open=True)
     group = process_group if process_group is not None else ddp_model.process_group
-    transport = TorchDistributedTransport(group)
-    if hierarchical and not (transport.equal_nodes and transport.size == dist.get_world_size()):
-        raise ValueError(f"hierarchical=True needs the default process group and equal nodes of consecutive ranks "
-                         f"(LOCAL_WORLD_SIZE {transport.local_size} of {transport.size} workers, not the same on "
-                         "every node, or a smaller group); pass hierarchical=False")
-    codec.bind_transport(transport)
-    exchange_state = ExchangeState(codec, DOOR, {"hierarchical": hierarchical}, resolve_warmup(compression, None))
     names = {p: name for name, p in ddp_model.named_parameters()}  # the model's order
-    state = CompressionState(exchange_state, transport, hierarchical, bucket_size_mb, names)
+    state = _state(compression, group, hierarchical, bucket_size_mb, names)
+    state.bind()
     ddp_model.register_comm_hook(state, compression_hook)
     return state
+
+
+def hook(compression: Any, process_group: Any = None, hierarchical: bool | None = None,
+         bucket_size_mb: float | None = None) -> tuple[CompressionState, Any]:
+    """``(state, compression_hook)`` for ``ddp_model.register_comm_hook(state, hook)``, torch's convention, e.g.
+    ``lightning.pytorch.strategies.DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``.
+
+    The state binds when DDP first calls the hook (see the module docstring); from then on it is ``register``'s.
+    Arguments are checked here, on every worker alike.
+
+    Args:
+        compression: as for ``register``.
+        process_group: the workers to average over: the DDP model's (default: the default process group).
+        hierarchical: as for ``register``.
+        bucket_size_mb: size of the codec buckets (default: 25, DDP's default ``bucket_cap_mb``, as ``register``
+            takes it from a DDP model built with the defaults).
+
+    Returns:
+        the ``CompressionState`` (``stats``, ``state_dict()``, ``load_state_dict()``) and ``compression_hook``.
+    """
+    bucket_size_mb = DDP_BUCKET_CAP_MB if bucket_size_mb is None else bucket_size_mb
+    return _state(compression, process_group, hierarchical, bucket_size_mb, None), compression_hook

@@ -15,6 +15,10 @@ a slow link busy (``docs/benchmarks.md``: ``benchmarks/cluster_collectives.py``)
 ``scripts/install_horovod.sh``, whose wheels carry the local version label ``hvdcomp.f16c``). Horovod as
 released converts each float16 element in software (``docs/benchmarks.md``), so there ``FP16`` takes its
 reduce-scatter and all-gather route instead of asking for a float16 ``SUM``.
+
+Horovod 0.28 has no bfloat16 tensors: an all-to-all or all-gather of bfloat16 moves its 16-bit words (viewed as
+int16, and back), and a ``SUM`` or ``MAX`` of bfloat16 raises ``TypeError`` (``sums_bfloat16`` is False, so
+``BF16`` takes the all-to-all and all-gather route, summing at float32 itself).
 """
 
 from __future__ import annotations
@@ -117,6 +121,14 @@ def _in_pieces(tensor: torch.Tensor, gather: bool, name: str | None, group: hvd.
     return pieces
 
 
+@dataclass
+class _Words:
+    """A collective of bfloat16 in flight as int16 words: its handle, and the dtype its result is viewed back as."""
+
+    handle: Any
+    dtype: torch.dtype
+
+
 def _synchronize(handle: Any) -> Any:
     """``hvd.synchronize(handle)``, sleeping ``WAIT_POLL_SECONDS`` between polls until the collective is done.
     Horovod 0.28.1's own wait spins on ``sched_yield``: for as long as a collective runs, it holds a core that
@@ -181,7 +193,16 @@ class HorovodTransport(Transport):
 
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any:
         """Start a collective; ``name`` must be the same on every worker when several are in flight
-        (Horovod matches collectives across workers by name; unnamed ones by call order)."""
+        (Horovod matches collectives across workers by name; unnamed ones by call order). bfloat16 moves as
+        int16 words; its reductions raise ``TypeError`` (the module docstring)."""
+        if tensor.dtype != torch.bfloat16:
+            return self._start(op, tensor, name)
+        if op.reduction in (Reduction.SUM, Reduction.MAX):
+            raise TypeError(f"hvdcomp: Horovod has no bfloat16 reductions ({op.name} of {name}); sum bfloat16 at "
+                            "float32 (BF16 does so over Horovod)")
+        return _Words(self._start(op, tensor.view(torch.int16), name), tensor.dtype)
+
+    def _start(self, op: Op, tensor: torch.Tensor, name: str | None) -> Any:
         group = self._group(op)
         try:
             if op.reduction is Reduction.ALLGATHER:
@@ -205,11 +226,15 @@ class HorovodTransport(Transport):
                 "after an error on another rank, or the set was removed)") from error
 
     def poll(self, handle: Any) -> bool:
+        if isinstance(handle, _Words):
+            return self.poll(handle.handle)
         if isinstance(handle, _Pieces):
             return all(hvd.poll(piece) for _, _, piece in handle.handles)
         return hvd.poll(handle)
 
     def wait(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, _Words):
+            return self.wait(handle.handle).view(handle.dtype)
         if isinstance(handle, _Pieces):
             for lo, hi, piece in handle.handles:  # each piece's rows, by sender, into its columns
                 handle.out[:, lo:hi] = self.wait(piece).view(handle.out.shape[0], hi - lo)

@@ -15,7 +15,8 @@ whether it has completed, ``wait`` returns the result, ``collective`` is both. t
 collectives by call order, not by name, so ``blocking`` is True in the sense of the ``Transport``
 contract: every worker must start a group's collectives in the same order. ALLTOALL sends part ``j`` of
 dim 0 to member ``j`` (``all_to_all_single``; Gloo and NCCL). SUM and MAX reduce any dtype the
-backend reduces (int64 lane sums, and float16 at the wire's rate on Gloo and NCCL: ``sums_float16``).
+backend reduces (int64 lane sums, and float16 and bfloat16 at the wire's rate on Gloo and NCCL: ``sums_float16``,
+``sums_bfloat16``).
 ALLGATHER concatenates along dim 0 by rank; dim 0 may differ across workers: the row counts travel first (one small
 blocking all-gather), then the tensors, padded to the longest. The request's tensor is never written.
 Implements ``hvdcomp.exchange.protocol.Transport``.
@@ -73,6 +74,7 @@ class TorchDistributedTransport(Transport):
 
     blocking = True  # collectives pair by call order (start only queues them)
     sums_float16 = True  # Gloo and NCCL reduce float16 natively (DDP's fp16 hook relies on it)
+    sums_bfloat16 = True  # and bfloat16 (DDP's bf16 hook relies on it)
 
     def __init__(self, process_group: Any = None, local_size: int | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
