@@ -171,12 +171,12 @@ class FSDPCompressionState:
             rows = source.numel() // plan.row_numel
             row = 0 if self._hsdp else dist.get_rank(group)
             grid = source.view(rows, plan.row_numel)
-            scale = self._output_scale(op, layout.divide_factor, group.size())
+            times, divisor = self._output_scale(op, layout.divide_factor, group.size())
 
             def write_back(bucket: Bucket, means: list[torch.Tensor], keep: bool) -> None:
                 for stand_in, mean in zip(bucket.params, means):
                     offset, numel = plan.place[stand_in]
-                    output[offset:offset + numel].copy_(mean.view(rows, numel)[row] * scale)
+                    output[offset:offset + numel].copy_(mean.view(rows, numel)[row].mul(times).div_(divisor))
 
             for bucket in plan.buckets:
                 places = [plan.place[stand_in] for stand_in in bucket.params]
@@ -225,7 +225,7 @@ class FSDPCompressionState:
         """HSDP: FSDP's full-precision reduce-scatter (a sum) over the shard group, counted as intra-node bytes."""
         started = time.perf_counter()
         shard = torch.empty(source.numel() // group.size(), dtype=source.dtype, device=source.device)
-        dist.reduce_scatter_tensor(shard, source, group=group)
+        dist.reduce_scatter_single(output=shard, input=source, group=group)
         traffic = self._state.stats.last_step
         nbytes = source.numel() * source.element_size()
         traffic.intra_node_bytes += nbytes * (group.size() - 1) // group.size()
@@ -233,15 +233,16 @@ class FSDPCompressionState:
         traffic.communicate_s += time.perf_counter() - started
         return shard
 
-    def _output_scale(self, op: Any, divide_factor: float | None, shard_size: int) -> float:
-        """The factor from the codec's mean to FSDP's output (the module docstring's divide factors)."""
+    def _output_scale(self, op: Any, divide_factor: float | None, shard_size: int) -> tuple[float, float]:
+        """FSDP's output is the codec's mean times the first, divided by the second (the module docstring's divide
+        factors): the sum over all workers, rounded once, then divided as torch divides it."""
         kind = getattr(op, "op", op)
         to_sum = self.transport.size  # the codec's mean times its workers: the sum over all workers
         wanted = divide_factor or self._world.size
         if kind == dist.ReduceOp.SUM:  # FSDP divides the output by its own factor afterwards
-            return to_sum * (divide_factor or shard_size) / wanted
+            return to_sum * (divide_factor or shard_size), wanted
         if kind in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
-            return to_sum / wanted
+            return to_sum, wanted
         raise ValueError(f"{DOOR}: FSDP asked for a reduce-scatter with {op}; hvdcomp reduces SUM, AVG and PREMUL_SUM")
 
     def _end_step(self) -> None:
@@ -274,6 +275,9 @@ def _transports(layouts: list[ShardedLayout], mesh: Any) -> tuple[TorchDistribut
                          "every module over one mesh")
     shard_group = layouts[0].mesh.get_group()
     if mesh is None:
+        if shard_group.size() != dist.get_world_size():
+            raise ValueError(f"{DOOR}: the modules are sharded over {shard_group.size()} of {dist.get_world_size()} "
+                             f"workers; for HSDP pass the 2-D mesh: {DOOR}.register(..., mesh=mesh)")
         world = TorchDistributedTransport(shard_group)
         return world, world
     if mesh.ndim != 2:
