@@ -5,7 +5,8 @@ Every ```python block of README.md runs in one of these tests:
 * the codec example (``Ternary`` and its simulator test) in this process; its codec is then checked to be
   unbiased, identical on every worker and resumable;
 * the blocks that use Horovod on 2 Gloo workers (``tests/harness.py``'s ``run_function``), in order;
-* the DDP block in a child process as a torch.distributed world of one (the variables torchrun sets).
+* the DDP block in a child process as a torch.distributed world of one (the variables torchrun sets);
+* the FSDP2 block under torchrun on 2 Gloo workers (FSDP reduces nothing in a world of one).
 
 The snippets use ``model``, ``optimizer`` and ``batches`` as the user's own; the tests provide them with
 ``PREAMBLE`` (a tiny ``torch.nn.Linear`` model, SGD and a few random batches). A Horovod block that builds
@@ -49,6 +50,8 @@ def _python_blocks(text: str) -> list[str]:
 def _kind(block: str) -> str:
     if "hvdcomp.ddp" in block and "register(" in block:
         return "ddp"
+    if "hvdcomp.fsdp" in block and "register(" in block:
+        return "fsdp"
     if "hvd." in block or "hvdcomp.init" in block or "horovod" in block:
         return "horovod"
     return "codec"
@@ -62,7 +65,7 @@ def test_every_python_block_is_run_by_a_test():
     blocks = _python_blocks(README.read_text())
     kinds = [_kind(block) for block in blocks]
     assert kinds.count("codec") == 2, "the codec example: Ternary and its simulator test"
-    assert kinds.count("ddp") == 1
+    assert kinds.count("ddp") == kinds.count("fsdp") == 1
     assert kinds.count("horovod") >= 3, "stock optimizer, DistributedOptimizer, Birder"
 
 
@@ -162,6 +165,17 @@ def test_readme_ddp_block_runs(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_readme_fsdp_block_runs_on_two_workers(tmp_path):
+    (block,) = _blocks("fsdp")
+    script = tmp_path / "fsdp_block.py"
+    script.write_text(PREAMBLE + block + "\nassert state.stats.steps == len(batches), state.stats\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
 # --- links ----------------------------------------------------------------------------------------------
