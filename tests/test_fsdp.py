@@ -59,6 +59,41 @@ def _errors(build) -> list[str]:
     return []
 
 
+@pytest.mark.parametrize("op, factor, shard, codec_workers, workers", [
+    ("avg", None, 4, 4, 4), ("premul", 3.0, 4, 4, 4), ("sum", None, 4, 4, 4), ("sum", 3.0, 4, 4, 4),
+    ("avg", None, 2, 2, 4), ("premul", 3.0, 2, 2, 4), ("sum", None, 2, 2, 4), ("sum", 5.0, 2, 2, 4),  # HSDP 2 x 2
+])
+def test_output_scale_divides_as_torch_does(op, factor, shard, codec_workers, workers):
+    """Whatever op FSDP passes, its final gradient is the sum over all workers divided by the divide factor, or by
+    the number of workers (torch's FSDP and native HSDP); with SUM FSDP itself divides the output afterwards."""
+    from torch.distributed import ReduceOp
+
+    from hvdcomp.integrations.fsdp import output_scale
+
+    reduce_op = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "premul": ReduceOp.PREMUL_SUM(1 / (factor or 1))}[op]
+    total = 24.0  # the sum over all workers: the codec's mean is it over the codec's workers
+    times, divisor = output_scale(reduce_op, factor, shard, codec_workers, workers)
+    after = (factor or shard) if op == "sum" else 1
+    assert total / codec_workers * times / divisor / after == pytest.approx(total / (factor or workers))
+    with pytest.raises(ValueError, match="hvdcomp reduces SUM, AVG and PREMUL_SUM"):
+        output_scale(ReduceOp.MAX, None, shard, codec_workers, workers)
+
+
+def test_torch_internals_are_read_behind_a_version_gate(monkeypatch):
+    from hvdcomp.transport import _torch_compat
+
+    _torch_compat.check_torch.cache_clear()
+    try:
+        _torch_compat.check_torch()  # the installed torch
+        _torch_compat.check_torch.cache_clear()
+        monkeypatch.setattr(torch, "__version__", "2.15.0")
+        with pytest.raises(RuntimeError, match=r"torch >=2\.14,<2\.15, but torch 2\.15\.0 is installed"):
+            _torch_compat.check_torch()
+    finally:
+        monkeypatch.undo()
+        _torch_compat.check_torch.cache_clear()
+
+
 def _against_fsdp() -> dict:
     """NoCompression against FSDP's own reduction, under each divide-factor path and mixed precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy

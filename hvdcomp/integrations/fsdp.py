@@ -171,7 +171,7 @@ class FSDPCompressionState:
             rows = source.numel() // plan.row_numel
             row = 0 if self._hsdp else dist.get_rank(group)
             grid = source.view(rows, plan.row_numel)
-            times, divisor = self._output_scale(op, layout.divide_factor, group.size())
+            times, divisor = output_scale(op, layout.divide_factor, group.size(), self.transport.size, self._world.size)
 
             def write_back(bucket: Bucket, means: list[torch.Tensor], keep: bool) -> None:
                 for stand_in, mean in zip(bucket.params, means):
@@ -233,21 +233,30 @@ class FSDPCompressionState:
         traffic.communicate_s += time.perf_counter() - started
         return shard
 
-    def _output_scale(self, op: Any, divide_factor: float | None, shard_size: int) -> tuple[float, float]:
-        """FSDP's output is the codec's mean times the first, divided by the second (the module docstring's divide
-        factors): the sum over all workers, rounded once, then divided as torch divides it."""
-        kind = getattr(op, "op", op)
-        to_sum = self.transport.size  # the codec's mean times its workers: the sum over all workers
-        wanted = divide_factor or self._world.size
-        if kind == dist.ReduceOp.SUM:  # FSDP divides the output by its own factor afterwards
-            return to_sum * (divide_factor or shard_size), wanted
-        if kind in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
-            return to_sum, wanted
-        raise ValueError(f"{DOOR}: FSDP asked for a reduce-scatter with {op}; hvdcomp reduces SUM, AVG and PREMUL_SUM")
-
     def _end_step(self) -> None:
         self._runner.finish()
         self._reduced.clear()
+
+
+def output_scale(op: Any, divide_factor: float | None, shard_size: int, codec_workers: int,
+                 workers: int) -> tuple[float, float]:
+    """FSDP's output is the codec's mean times the first number, divided by the second (the module docstring's
+    divide factors): the sum over all ``workers``, rounded once, then divided as torch's (HS)DP divides it.
+
+    Args:
+        op: the ``ReduceOp`` FSDP passes its reduce-scatter (``SUM``, ``AVG`` or ``PREMUL_SUM``).
+        divide_factor: the module's ``set_gradient_divide_factor`` (None: unset).
+        shard_size: the workers of FSDP's shard group (all of them without HSDP).
+        codec_workers: the workers the codec averages over (all, or HSDP's replicas of a shard summed in-node).
+        workers: all workers.
+    """
+    kind = getattr(op, "op", op)
+    wanted = divide_factor or workers
+    if kind == dist.ReduceOp.SUM:  # FSDP divides the output by its own factor afterwards
+        return codec_workers * (divide_factor or shard_size), wanted
+    if kind in (dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
+        return codec_workers, wanted
+    raise ValueError(f"{DOOR}: FSDP asked for a reduce-scatter with {op}; hvdcomp reduces SUM, AVG and PREMUL_SUM")
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list[tuple[FSDPModule, ShardedLayout]]:
