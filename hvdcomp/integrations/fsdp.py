@@ -273,7 +273,8 @@ def _ranks(group: Any) -> list[int]:
 
 
 def _transports(layouts: list[ShardedLayout], mesh: Any) -> tuple[TorchDistributedTransport, TorchDistributedTransport]:
-    """(the codec's transport, every worker's): see ``register``."""
+    """(the codec's transport, every worker's): see ``register``. Both exchange over their whole group only
+    (``local_size=1``: no node subgroups to build)."""
     shard_groups = {tuple(_ranks(layout.mesh.get_group())) for layout in layouts if not layout.hsdp}
     if any(layout.hsdp for layout in layouts):
         raise ValueError(f"{DOOR}: a module is sharded with a 2-D mesh (native HSDP), whose replicas all-reduce in "
@@ -287,7 +288,7 @@ def _transports(layouts: list[ShardedLayout], mesh: Any) -> tuple[TorchDistribut
         if shard_group.size() != dist.get_world_size():
             raise ValueError(f"{DOOR}: the modules are sharded over {shard_group.size()} of {dist.get_world_size()} "
                              f"workers; for HSDP pass the 2-D mesh: {DOOR}.register(..., mesh=mesh)")
-        world = TorchDistributedTransport(shard_group)
+        world = TorchDistributedTransport(shard_group, local_size=1)
         return world, world
     if mesh.ndim != 2:
         raise ValueError(f"{DOOR}: mesh must be a 2-D DeviceMesh (replicate, shard) for HSDP, got {mesh.ndim} dims")
@@ -296,7 +297,7 @@ def _transports(layouts: list[ShardedLayout], mesh: Any) -> tuple[TorchDistribut
                          "over all workers of the default process group")
     if mesh.size(1) == 1:
         raise ValueError(f"{DOOR}: a shard dimension of size 1 reduce-scatters nothing; use hvdcomp.ddp")
-    world = TorchDistributedTransport()
+    world = TorchDistributedTransport(local_size=1)
     return TorchDistributedTransport(mesh.get_group(0), local_size=1), world
 
 
