@@ -1,5 +1,5 @@
-"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with optional ``:hier`` and ``:two_stage``
-suffixes (in that order).
+"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with optional ``:hier``, ``:two_stage`` and
+``:hsdp`` suffixes (in that order).
 
 Families:
 
@@ -15,10 +15,16 @@ Families:
   hook with ``None`` (``none``), ``FP16()``, ``BF16()``, ``MaxNormCodec``s (``qsgd<bits>``, ``multiscale48``,
   ``randk1``) or ``PowerSGD(rank=1)``; ``birder``: ``hvdcomp.Birder`` over a ``TorchDistributedTransport``, no DDP.
   ``:hier`` as for ``hvdcomp``;
-- ``stock``: stock ``hvd.DistributedOptimizer(compression=hvdcomp.QSGDMaxNorm(<bits>))``: ``qsgd<bits>``.
+- ``stock``: stock ``hvd.DistributedOptimizer(compression=hvdcomp.QSGDMaxNorm(<bits>))``: ``qsgd<bits>``;
+- ``fsdp``: torch FSDP2 (``fully_shard``) over Gloo with its own reduce-scatter, ``fp32`` or ``bf16``
+  (``reduce_dtype=torch.bfloat16``);
+- ``hvdcomp-fsdp``: FSDP2 with ``hvdcomp.fsdp.register``'s reduce-scatter and the ``hvdcomp-ddp`` codec of the
+  element-wise variants (``none``, ``fp16``, ``qsgd<bits>``, ``multiscale48``, ``randk1``).
 
 ``:two_stage`` (``hvdcomp:qsgd<bits>`` and ``hvdcomp:birder``) passes ``exchange="two_stage"``: the
-constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes.
+constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes. ``:hsdp`` (``fsdp`` and
+``hvdcomp-fsdp``) shards inside each node and replicates across nodes (HSDP): full precision inside, and for
+``hvdcomp-fsdp`` the codec across nodes; it needs several workers per node.
 
 Pure (no torch, no Horovod): both the orchestrator and the workers import it.
 """
@@ -34,10 +40,13 @@ FAMILIES = {
     "hvdcomp": ("none", "fp16", "bf16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
     "hvdcomp-ddp": ("none", "fp16", "bf16", "qsgd<bits>", "multiscale48", "randk1", "powersgd1", "birder"),
     "stock": ("qsgd<bits>",),
+    "fsdp": ("fp32", "bf16"),
+    "hvdcomp-fsdp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1"),
 }
 QSGD = re.compile(r"qsgd([1-9]|1[0-6])")
 HIERARCHICAL_FAMILIES = ("hvdcomp", "hvdcomp-ddp")
-TORCH_DISTRIBUTED_FAMILIES = ("ddp", "hvdcomp-ddp")  # workers join torch.distributed, not Horovod
+HSDP_FAMILIES = ("fsdp", "hvdcomp-fsdp")
+TORCH_DISTRIBUTED_FAMILIES = ("ddp", "hvdcomp-ddp", *HSDP_FAMILIES)  # workers join torch.distributed, not Horovod
 PAYLOAD_BITS = {"fp32": 32, "fp16": 16, "bf16": 16}  # bits per element of the uncompressed peers' payloads
 SIXTEEN_BIT_PEERS = ("horovod:fp16", "ddp:fp16", "ddp:bf16")  # the 16-bit all-reduces compression must beat
 
@@ -47,6 +56,8 @@ DEFAULT = ("horovod:fp32", "horovod:fp16", "ddp:fp32", "ddp:fp16", "ddp:bf16", "
            "hvdcomp-ddp:bf16", "hvdcomp-ddp:qsgd4",
            "hvdcomp-ddp:powersgd1")  # the other hvdcomp-ddp ones on request (--schemes)
 HIERARCHICAL_DEFAULT = ("hvdcomp:fp16:hier", "hvdcomp:qsgd4:hier", "hvdcomp:powersgd1:hier", "hvdcomp:birder:hier")
+FSDP_DEFAULT = ("fsdp:fp32", "fsdp:bf16", "hvdcomp-fsdp:qsgd4")
+FSDP_HIERARCHICAL_DEFAULT = ("hvdcomp-fsdp:qsgd4:hsdp",)
 QUICK = ("horovod:fp32", "horovod:fp16", "ddp:fp16", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp:powersgd1",
          "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:qsgd4")
 
@@ -57,11 +68,12 @@ class Scheme:
     variant: str
     hierarchical: bool = False
     two_stage: bool = False
+    hsdp: bool = False
 
     @property
     def name(self) -> str:
         return (f"{self.family}:{self.variant}" + (":hier" if self.hierarchical else "")
-                + (":two_stage" if self.two_stage else ""))
+                + (":two_stage" if self.two_stage else "") + (":hsdp" if self.hsdp else ""))
 
     @property
     def exchange(self) -> str:
@@ -89,22 +101,26 @@ def parse_scheme(name: str) -> Scheme:
     """``"hvdcomp:qsgd4:hier"`` -> ``Scheme("hvdcomp", "qsgd4", True)``; ValueError naming the choices."""
     parts = name.strip().split(":")
     family, variant, suffixes = (parts + [""])[0], (parts + [""])[1], parts[2:]
-    hierarchical, two_stage = "hier" in suffixes, "two_stage" in suffixes
+    hierarchical, two_stage, hsdp = "hier" in suffixes, "two_stage" in suffixes, "hsdp" in suffixes
     known = FAMILIES.get(family, ())
     valid = variant in known or ("qsgd<bits>" in known and QSGD.fullmatch(variant) is not None)
-    in_order = suffixes == [s for s in ("hier", "two_stage") if s in suffixes]
+    in_order = suffixes == [s for s in ("hier", "two_stage", "hsdp") if s in suffixes]
     if len(parts) < 2 or not in_order or not valid:
         choices = "; ".join(f"{f}:{{{','.join(v)}}}" for f, v in FAMILIES.items())
         raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp and hvdcomp-ddp "
-                         "ones with an optional :hier suffix, hvdcomp:qsgd<bits> and hvdcomp:birder with :two_stage")
+                         "ones with an optional :hier suffix, hvdcomp:qsgd<bits> and hvdcomp:birder with :two_stage, "
+                         "fsdp and hvdcomp-fsdp ones with :hsdp")
     if hierarchical and family not in HIERARCHICAL_FAMILIES:
         raise ValueError(f"scheme {name!r}: only hvdcomp and hvdcomp-ddp schemes have a hierarchical (:hier) "
                          "variant")
     if two_stage and (family != "hvdcomp" or not (variant == "birder" or QSGD.fullmatch(variant))):
         raise ValueError(f"scheme {name!r}: only hvdcomp:qsgd<bits> and hvdcomp:birder have a :two_stage variant")
-    return Scheme(family, variant, hierarchical, two_stage)
+    if hsdp and family not in HSDP_FAMILIES:
+        raise ValueError(f"scheme {name!r}: only fsdp and hvdcomp-fsdp schemes have an HSDP (:hsdp) variant")
+    return Scheme(family, variant, hierarchical, two_stage, hsdp)
 
 
 def default_schemes(workers_per_node: int) -> list[str]:
     """Every scheme of the issue, plus the hierarchical ones when nodes have several workers."""
-    return list(DEFAULT) + (list(HIERARCHICAL_DEFAULT) if workers_per_node > 1 else [])
+    hierarchical = HIERARCHICAL_DEFAULT + FSDP_HIERARCHICAL_DEFAULT if workers_per_node > 1 else ()
+    return list(DEFAULT + FSDP_DEFAULT + hierarchical)

@@ -5,10 +5,11 @@ The loss is linear in the parameters, ``sum(p * c)`` with fixed per-worker coeff
 gradient is ``c``), so backward costs next to nothing and the gradient hooks fire in the model's real
 backward order: the wall time of ``backward()`` + ``step()`` is the exchange. Each timed step starts
 after a barrier. Horovod schemes read ``HOROVOD_*`` from the environment (the orchestrator sets them as
-``horovod.ray`` does); ``ddp`` and ``hvdcomp-ddp`` schemes read ``RANK`` and ``WORLD_SIZE`` (hierarchical
-ones also ``LOCAL_WORLD_SIZE``/``LOCAL_RANK``, as torchrun sets them) and join ``--ddp-init``; they never
-import Horovod. The warm-up steps cover what is not a steady step: DDP's first iteration (one bucket,
-plus the agreement MAX of hvdcomp's hook), torch PowerSGD's start at step 2.
+``horovod.ray`` does); ``ddp``, ``hvdcomp-ddp``, ``fsdp`` and ``hvdcomp-fsdp`` schemes read ``RANK`` and
+``WORLD_SIZE`` (hierarchical and HSDP ones also ``LOCAL_WORLD_SIZE``/``LOCAL_RANK``, as torchrun sets them) and
+join ``--ddp-init``; they never import Horovod. The warm-up steps cover what is not a steady step: DDP's first
+iteration (one bucket, plus the agreement MAX of hvdcomp's hook), FSDP's lazy initialisation, torch PowerSGD's
+start at step 2.
 
 Writes ``<out>/rank<R>.json``: ``step_s`` (seconds of each timed step), ``traffic`` (per timed step,
 ``Traffic.as_dict()`` of hvdcomp's statistics, or null where the scheme has none), ``elements``
@@ -150,9 +151,37 @@ def _hvdcomp_ddp_run(scheme: Scheme, model: nn.Module, loss: LinearLoss) -> Run:
     return Run(module, optimizer, dist.barrier, lambda: stats.last_step.as_dict(), lambda: None)
 
 
+def _fsdp_run(scheme: Scheme, model: nn.Module, loss: LinearLoss) -> Run:
+    """fsdp:* and hvdcomp-fsdp:* schemes: FSDP2 with ``loss`` sharded as one module (its forward reads every
+    parameter, so no submodule runs a forward of its own); ``:hsdp``: sharded over each node's
+    ``LOCAL_WORLD_SIZE`` workers, replicated across nodes. ``fsdp``: FSDP's own reduce-scatter (sums, divided
+    after: Gloo has no average), native HSDP's all-reduce; ``hvdcomp-fsdp``: ``hvdcomp.fsdp.register``'s."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import hvdcomp.fsdp
+
+    nodes_by_workers = (dist.get_world_size() // int(os.environ["LOCAL_WORLD_SIZE"]),
+                        int(os.environ["LOCAL_WORLD_SIZE"]))
+    mesh = init_device_mesh("cpu", nodes_by_workers, mesh_dim_names=("replicate", "shard")) if scheme.hsdp else None
+    reduce_dtype = torch.bfloat16 if scheme.variant == "bf16" else None
+    native = scheme.family == "fsdp"
+    fully_shard(loss, mesh=mesh if native or mesh is None else mesh["shard"],
+                mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
+    stats = None
+    if native:
+        loss.set_force_sum_reduction_for_comms(True)
+    else:
+        stats = hvdcomp.fsdp.register(loss, _hvdcomp_ddp_codec(scheme.variant, scheme.qsgd_bits), mesh=mesh).stats
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)  # the shards, which fully_shard put in the model
+    return Run(loss, optimizer, dist.barrier, lambda: stats.last_step.as_dict() if stats is not None else None,
+               lambda: PAYLOAD_BITS.get(scheme.variant) if native else None)
+
+
 def ddp_run(scheme: Scheme, model: nn.Module, init_method: str) -> Run:
-    """ddp:* and hvdcomp-ddp:* schemes: torch.distributed over Gloo (``GLOO_SOCKET_IFNAME`` picks the
-    interface)."""
+    """ddp:*, hvdcomp-ddp:*, fsdp:* and hvdcomp-fsdp:* schemes: torch.distributed over Gloo
+    (``GLOO_SOCKET_IFNAME`` picks the interface)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -161,6 +190,8 @@ def ddp_run(scheme: Scheme, model: nn.Module, init_method: str) -> Run:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     if scheme.family == "hvdcomp-ddp":
         return _hvdcomp_ddp_run(scheme, model, LinearLoss(model, rank))
+    if scheme.family in ("fsdp", "hvdcomp-fsdp"):
+        return _fsdp_run(scheme, model, LinearLoss(model, rank))
     module = DistributedDataParallel(LinearLoss(model, rank), broadcast_buffers=False)
     payload_bits: Callable[[], float | None] = lambda: PAYLOAD_BITS.get(scheme.variant)  # noqa: E731
     if scheme.variant == "fp16":

@@ -1,11 +1,14 @@
-"""``examples/train.py --engine ddp``: the same training over torch.distributed, launched by torchrun.
+"""``examples/train.py --engine ddp`` and ``--engine fsdp``: the same training over torch.distributed, launched
+by torchrun.
 
     torchrun --nproc-per-node 2 examples/train.py --engine ddp --scheme qsgd --bits 8
+    torchrun --nproc-per-node 2 examples/train.py --engine fsdp --scheme qsgd --bits 8
 
 ``train.py`` calls a handful of ``horovod.torch`` functions (``init``, ``rank``, ``size``, ``local_size``,
 ``allreduce``, ``broadcast_parameters``, ``broadcast_object``, ``barrier``); this module offers the same
-names over torch.distributed (Gloo), so there is one training loop for both engines. ``wrap`` puts the
-model in DDP with hvdcomp's hook; Birder exchanges by itself over ``transport()``.
+names over torch.distributed (Gloo), so there is one training loop for every engine. ``wrap`` puts the
+model in DDP with hvdcomp's hook, ``shard`` shards it with FSDP2 and hvdcomp's reduce-scatter; Birder
+exchanges by itself over ``transport()``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hvdcomp.ddp
+import hvdcomp.fsdp
 from hvdcomp.exchange.protocol import Op
 
 Sum, Average = "sum", "average"
@@ -78,3 +82,20 @@ def wrap(model: nn.Module, compression: Any, bucket_mb: float, hierarchical: boo
     which has ``stats`` and ``state_dict``)."""
     ddp_model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     return ddp_model, hvdcomp.ddp.register(ddp_model, compression, hierarchical=hierarchical)
+
+
+def shard(model: nn.Module, compression: Any, bucket_mb: float, hierarchical: bool | None) -> Any:
+    """Shard ``model`` in place with FSDP2 (each child holding parameters, then the whole) and give it hvdcomp's
+    reduce-scatter running ``compression``; ``hierarchical``: HSDP, sharded inside torchrun's nodes and the codec
+    across them. Returns the reduce-scatter's state (``stats``, ``state_dict``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (size() // local_size(), local_size()),
+                            mesh_dim_names=("replicate", "shard")) if hierarchical else None
+    shard_mesh = mesh["shard"] if mesh is not None else None
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return hvdcomp.fsdp.register(model, compression, mesh=mesh, bucket_size_mb=bucket_mb)

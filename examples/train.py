@@ -44,14 +44,16 @@ from hvdcomp.exchange import Statistics, Traffic  # noqa: E402
 MAX_NORM_SCHEMES = ("qsgd", "qsgd-multiscale", "randk", "randk-multiscale")
 SCHEMES = ("none", "fp16", "bf16", *MAX_NORM_SCHEMES, "powersgd", "birder")
 STOCK_SCHEMES = ("none", "fp16", *MAX_NORM_SCHEMES)  # what hvd.DistributedOptimizer's compression= takes
+TORCH_ENGINES = ("ddp", "fsdp")  # launched by torchrun, over torch.distributed (ddp_engine.py)
 GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 GLOO_TIMEOUT_PER_WORKER_PER_CORE_S = 30  # Horovod's default timeout, per worker beyond one per core
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", choices=("horovod", "ddp"), default="horovod",
-                   help="horovod (horovodrun) or ddp (torchrun: DDP with hvdcomp's hook, see ddp_engine.py)")
+    p.add_argument("--engine", choices=("horovod",) + TORCH_ENGINES, default="horovod",
+                   help="horovod (horovodrun), ddp (torchrun: DDP with hvdcomp's hook, see ddp_engine.py) or fsdp "
+                        "(torchrun: FSDP2 with hvdcomp's reduce-scatter; --hierarchical: HSDP over nodes)")
     p.add_argument("--wrapper", choices=("hvdcomp", "horovod"), default="hvdcomp",
                    help="--engine horovod: hvdcomp.DistributedOptimizer, or Horovod's own hvd.DistributedOptimizer "
                         f"with the hvdcomp compressor ({', '.join(STOCK_SCHEMES)})")
@@ -101,8 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.engine == "ddp" and (args.elastic or args.warmup_steps):
+    if args.engine in TORCH_ENGINES and (args.elastic or args.warmup_steps):
         parser.error("--elastic and --warmup-steps are for --engine horovod")
+    if args.engine == "fsdp" and (args.scheme in ("birder", "powersgd") or args.checkpoint or args.resume):
+        parser.error("--engine fsdp runs the element-wise schemes, without --checkpoint/--resume")
     multiscale = args.scheme.endswith("multiscale")
     if args.bits is None:
         args.bits = [4, 8] if multiscale else [8]
@@ -137,8 +141,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def _check_stock_door(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse what ``hvd.DistributedOptimizer(..., compression=...)`` cannot do, before any worker starts."""
-    if args.engine == "ddp":
-        parser.error("--wrapper horovod is for --engine horovod (DDP runs hvdcomp's hook)")
+    if args.engine in TORCH_ENGINES:
+        parser.error("--wrapper horovod is for --engine horovod (DDP and FSDP run hvdcomp's hook)")
     if args.scheme not in STOCK_SCHEMES:
         parser.error(f"--wrapper horovod takes --scheme {', '.join(STOCK_SCHEMES)}; --scheme {args.scheme} "
                      "needs --wrapper hvdcomp (PowerSGD is a bucket codec of hvdcomp.DistributedOptimizer, "
@@ -230,8 +234,8 @@ def build_optimizer(args: argparse.Namespace, model: nn.Module, compression: Any
                               transport=transport)
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=args.momentum > 0,
                           weight_decay=args.weight_decay)
-    if args.engine == "ddp":
-        return sgd  # DDP's hook exchanges the gradients (main wraps the model)
+    if args.engine in TORCH_ENGINES:
+        return sgd  # DDP's hook or FSDP's reduce-scatter exchanges the gradients (main wraps the model)
     if args.wrapper == "horovod":
         return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression)
     return DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression,
@@ -245,6 +249,8 @@ def door(args: argparse.Namespace) -> str:
         return "hvdcomp.Birder"
     if args.engine == "ddp":
         return "torch DistributedDataParallel + hvdcomp.ddp hook"
+    if args.engine == "fsdp":
+        return "torch FSDP2 fully_shard + hvdcomp.fsdp reduce-scatter"
     return "hvd.DistributedOptimizer" if args.wrapper == "horovod" else "hvdcomp.DistributedOptimizer"
 
 
@@ -392,7 +398,7 @@ def load_checkpoint(prefix: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.engine == "ddp":
+    if args.engine in TORCH_ENGINES:
         import ddp_engine
 
         global hvd
@@ -417,9 +423,11 @@ def main(argv: list[str] | None = None) -> None:
     model = MODELS[args.model](num_classes=10, in_channels=channels)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = None if args.scheme == "birder" else build_compression(args)
+    # FSDP2 replaces the parameters by their shards: shard before the optimizer takes them
+    sharded = hvd.shard(model, compression, args.bucket_mb, args.hierarchical) if args.engine == "fsdp" else None
     optimizer = build_optimizer(args, model, compression)
     # codec: what keeps codec state outside optimizer.state_dict() (hvdcomp's optimizer and Birder keep it in)
-    codec = compression if args.wrapper == "horovod" and args.scheme in MAX_NORM_SCHEMES else None
+    codec = compression if args.wrapper == "horovod" and args.scheme in MAX_NORM_SCHEMES else sharded
     if args.engine == "ddp" and args.scheme != "birder":
         model, codec = hvd.wrap(model, compression, args.bucket_mb, args.hierarchical)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch))

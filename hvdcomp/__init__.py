@@ -8,8 +8,9 @@ Layers, each depending only on those below it:
   simulator, hierarchical routing, the 1-bit exchanges, the cost model and the statistics type;
 - ``hvdcomp.transport``: Horovod, MPI and torch.distributed carry the requests out;
 - ``hvdcomp.integrations``: the public max-norm codecs (which Horovod's stock optimizer also takes),
-  ``DistributedOptimizer``, ``Birder`` and the PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp``
-  needs no Horovod, nor do the codecs); ``hvdcomp.init()`` starts Horovod as hierarchical exchanges need it.
+  ``DistributedOptimizer``, ``Birder``, the PyTorch DDP hook (public as ``hvdcomp.ddp``: ``import hvdcomp.ddp``
+  needs no Horovod, nor do the codecs) and FSDP2's reduce-scatter (``hvdcomp.fsdp``); ``hvdcomp.init()`` starts
+  Horovod as hierarchical exchanges need it.
 
 The public names below load their layer on first use, so ``import hvdcomp.codec`` (or
 ``hvdcomp.exchange``) needs neither Horovod nor mpi4py.

@@ -17,7 +17,16 @@ import cluster  # noqa: E402
 import cluster_report  # noqa: E402
 import cluster_worker  # noqa: E402
 from cluster_netns import PREFIX, our_namespaces, parse_rate, why_unavailable  # noqa: E402
-from cluster_schemes import DEFAULT, HIERARCHICAL_DEFAULT, QUICK, Scheme, default_schemes, parse_scheme  # noqa: E402
+from cluster_schemes import (  # noqa: E402
+    DEFAULT,
+    FSDP_DEFAULT,
+    FSDP_HIERARCHICAL_DEFAULT,
+    HIERARCHICAL_DEFAULT,
+    QUICK,
+    Scheme,
+    default_schemes,
+    parse_scheme,
+)
 
 
 def test_parse_rate():
@@ -48,14 +57,19 @@ def test_scheme_names():
     assert two_stage.scale == "exact" and parse_scheme("hvdcomp:qsgd8").scale == "ahead"
     assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
     assert parse_scheme("hvdcomp:qsgd8").exchange == "lanes"
+    for name in (*FSDP_DEFAULT, *FSDP_HIERARCHICAL_DEFAULT, "fsdp:fp32:hsdp", "hvdcomp-fsdp:randk1"):
+        assert parse_scheme(name).name == name and parse_scheme(name).torch_distributed
+    assert parse_scheme("hvdcomp-fsdp:qsgd4:hsdp") == Scheme("hvdcomp-fsdp", "qsgd4", hsdp=True)
+    assert {"fsdp:fp32", "fsdp:bf16", "hvdcomp-fsdp:qsgd4"} <= set(FSDP_DEFAULT)
     for bad in ("horovod:qsgd4", "horovod:bf16", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp",
                 "mpi:fp32", "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
                 "hvdcomp:fp16:two_stage", "hvdcomp-ddp:qsgd4:two_stage", "hvdcomp:qsgd4:two_stage:hier",
-                "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier"):
+                "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier", "hvdcomp-fsdp:powersgd1", "fsdp:fp16",
+                "hvdcomp-ddp:qsgd4:hsdp", "hvdcomp-fsdp:qsgd4:hier", "fsdp:fp32:hsdp:two_stage"):
         with pytest.raises(ValueError, match="scheme"):
             parse_scheme(bad)
-    assert default_schemes(1) == list(DEFAULT)
-    assert default_schemes(2) == list(DEFAULT + HIERARCHICAL_DEFAULT)
+    assert default_schemes(1) == list(DEFAULT + FSDP_DEFAULT)
+    assert default_schemes(2) == list(DEFAULT + FSDP_DEFAULT + HIERARCHICAL_DEFAULT + FSDP_HIERARCHICAL_DEFAULT)
 
 
 def test_options(capsys):

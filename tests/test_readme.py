@@ -7,6 +7,7 @@ Every ```python block of README.md runs in one of these tests:
 * the blocks that use Horovod on 2 Gloo workers (``tests/harness.py``'s ``run_function``), in order;
 * the DDP block in a child process as a torch.distributed world of one (the variables torchrun sets);
 * the Lightning block as a script, whose 2 CPU workers Lightning starts itself.
+* the FSDP2 block under torchrun on 2 Gloo workers (FSDP reduces nothing in a world of one).
 
 The snippets use ``model``, ``optimizer`` and ``batches`` as the user's own; the tests provide them with
 ``PREAMBLE`` (a tiny ``torch.nn.Linear`` model, SGD and a few random batches). A Horovod block that builds
@@ -52,6 +53,8 @@ def _kind(block: str) -> str:
         return "lightning"
     if "hvdcomp.ddp" in block and "register(" in block:
         return "ddp"
+    if "hvdcomp.fsdp" in block and "register(" in block:
+        return "fsdp"
     if "hvd." in block or "hvdcomp.init" in block or "horovod" in block:
         return "horovod"
     return "codec"
@@ -65,8 +68,7 @@ def test_every_python_block_is_run_by_a_test():
     blocks = _python_blocks(README.read_text())
     kinds = [_kind(block) for block in blocks]
     assert kinds.count("codec") == 2, "the codec example: Ternary and its simulator test"
-    assert kinds.count("ddp") == 1
-    assert kinds.count("lightning") == 1
+    assert kinds.count("ddp") == kinds.count("fsdp") == kinds.count("lightning") == 1
     assert kinds.count("horovod") >= 3, "stock optimizer, DistributedOptimizer, Birder"
 
 
@@ -188,6 +190,16 @@ def test_readme_lightning_block_trains_identical_replicas_with_the_hook(tmp_path
     assert first["steps"] == second["steps"] == 2 * 64 // (2 * 8)  # every optimizer step went through the hook
     assert first["sent"] == second["sent"] > 0
     assert first["dense"] > 3 * first["sent"]  # 4-bit levels in int64 lanes, not float32
+
+
+def test_readme_fsdp_block_runs_on_two_workers(tmp_path):
+    (block,) = _blocks("fsdp")
+    script = tmp_path / "fsdp_block.py"
+    script.write_text(PREAMBLE + block + "\nassert state.stats.steps == len(batches), state.stats\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
 # --- links ----------------------------------------------------------------------------------------------

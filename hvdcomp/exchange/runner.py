@@ -199,8 +199,18 @@ class Runner:
             self._to_end(flight) if self.hierarchical else self._advance(flight)
 
     def finish(self) -> None:
-        """Run every exchange in flight to its end (the module docstring), close the step's statistics and count
-        the state's exchange step."""
+        """Run every exchange in flight to its end (``complete``), close the step's statistics and count the
+        state's exchange step."""
+        self.complete()
+        self.begin_step()  # a step without exchanges counts too
+        self.stats.end_step()
+        self._open = False
+        if self.state is not None:
+            self.state.step += 1
+
+    def complete(self) -> None:
+        """Run every exchange in flight to its end (the module docstring); the step stays open (a door whose
+        results are due before its step ends, as FSDP's reduce-scatter per module)."""
         if not self.transport.blocking:
             pending = sorted(self._flights, key=lambda f: f.order)
             while pending:  # the first whose collective completed, else (blocking on it) the oldest
@@ -211,11 +221,6 @@ class Runner:
             for flight in list(self._flights):
                 self._to_end(flight)
         self._launched_since.clear()
-        self.begin_step()  # a step without exchanges counts too
-        self.stats.end_step()
-        self._open = False
-        if self.state is not None:
-            self.state.step += 1
 
     def drop(self) -> None:
         """Forget the step's exchanges (after a failure, or before loading a state): nothing in flight."""

@@ -12,5 +12,6 @@
   its checkpoints;
 - ``launch``: ``hvdcomp.init`` and Horovod's hierarchical setting; ``warmup``: the stock path's gradients sent
   uncompressed (warm-up, small gradients).
-- ``ddp``: the PyTorch DDP communication hook (``register``, ``hook``, ``CompressionState``), public as ``hvdcomp.ddp``.
+- ``ddp``: the PyTorch DDP communication hook (``register``, ``hook``, ``CompressionState``), public as ``hvdcomp.ddp``;
+- ``fsdp``: FSDP2's compressed reduce-scatter (``register``, ``FSDPCompressionState``), public as ``hvdcomp.fsdp``.
 """
