@@ -177,3 +177,24 @@ def agreement(door: str, described: dict[str, Any], step: int, resync: bool) -> 
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 160 else f"{text[:150]}... ({len(text)} characters)"
+
+
+class ExchangeStateView:
+    """What a door's user reads of its ``ExchangeState`` (``self._state``): the codec, the statistics and the steps
+    exchanged (the DDP hook's and FSDP's states)."""
+
+    __slots__ = ()
+    _state: ExchangeState
+
+    @property
+    def codec(self) -> BucketCodec:
+        return self._state.codec
+
+    @property
+    def stats(self) -> Statistics:
+        return self._state.stats
+
+    @property
+    def step(self) -> int:
+        """Exchange steps: DDP's synchronizing steps, FSDP's backward passes."""
+        return self._state.step

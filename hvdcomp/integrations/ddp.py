@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..codec.validate import check_bool, check_real
 from ..exchange.plan import Bucket, plan_buckets
 from ..exchange.runner import Runner
-from ..exchange.state import ExchangeState
+from ..exchange.state import ExchangeState, ExchangeStateView
 from ..transport.torch_distributed import TorchDistributedTransport
 from .resolve import resolve_codec, resolve_warmup
 
@@ -70,7 +70,7 @@ DOOR = "hvdcomp.ddp"
 DDP_BUCKET_CAP_MB = 25.0  # DistributedDataParallel's default bucket_cap_mb
 
 
-class CompressionState:
+class CompressionState(ExchangeStateView):
     """What the hook keeps between steps (see the module docstring); built by ``register`` or ``hook``.
 
     ``stats``: ``hvdcomp.exchange.Statistics`` (bytes intra-/inter-node, uncompressed, seconds) per
@@ -116,19 +116,6 @@ class CompressionState:
 
     def _world_size(self) -> int:
         return self.transport.size if self.transport is not None else dist.get_world_size(self._group)
-
-    @property
-    def codec(self) -> Any:
-        return self._state.codec
-
-    @property
-    def stats(self) -> Any:
-        return self._state.stats
-
-    @property
-    def step(self) -> int:
-        """Synchronizing steps exchanged."""
-        return self._state.step
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from ..exchange.cost import ring_wire_bytes
 from ..exchange.plan import Bucket, plan_buckets
 from ..exchange.protocol import Reduction
 from ..exchange.runner import Runner
-from ..exchange.state import ExchangeState, describe
+from ..exchange.state import ExchangeState, ExchangeStateView, describe
 from ..transport._torch_compat import ShardedLayout, default_reduce_scatter, sharded_layout
 from ..transport.torch_distributed import TorchDistributedTransport
 from .resolve import resolve_codec, resolve_warmup
@@ -95,7 +95,7 @@ class _ModulePlan:
         self.buckets, self.place, self.row_numel, self.dtype = buckets, place, row_numel, dtype
 
 
-class FSDPCompressionState:
+class FSDPCompressionState(ExchangeStateView):
     """What the compressed reduce-scatter keeps between steps (see the module docstring); built by ``register``.
 
     ``stats``: ``hvdcomp.exchange.Statistics`` per backward and in total. ``state_dict()`` / ``load_state_dict()``:
@@ -119,19 +119,6 @@ class FSDPCompressionState:
         self._hsdp = hsdp
         self._plans: dict[FSDPModule, _ModulePlan] = {}
         self._reduced: set[FSDPModule] = set()  # modules reduced in this step
-
-    @property
-    def codec(self) -> Any:
-        return self._state.codec
-
-    @property
-    def stats(self) -> Any:
-        return self._state.stats
-
-    @property
-    def step(self) -> int:
-        """Backward passes exchanged."""
-        return self._state.step
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
