@@ -168,6 +168,8 @@ def _two_workers() -> dict:
             errors.append(f"{type(error).__name__}: {error}")
     out["errors"] = errors
 
+    out["outputs"] = _named_outputs_reused()
+
     # Birder over the torch.distributed transport; then in chunks of 124 elements, their sums in flight together
     from hvdcomp.exchange import onebit
 
@@ -177,6 +179,43 @@ def _two_workers() -> dict:
         net, birder = _birder_steps(3)
         out[label] = (_flat(net), birder.route, birder.stats.total.inter_node_bytes)
     return out
+
+
+def _named_outputs_reused():
+    """Whether a named sum and all-to-all write into the same output again once nothing holds the last one (the
+    transport holds its last 4 finished works: 4 other collectives in between), and a held result is never written
+    (a new output instead), with the sums right each time."""
+    from hvdcomp.exchange import Op
+
+    transport = _torch_transport()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    data = torch.arange(4.0) + rank
+    want = sum(torch.arange(4.0) + r for r in range(size))
+    first = transport.wait(transport.start(Op.SUM, data, "bucket.sum"))
+    first_ptr, first_ok = first.data_ptr(), torch.equal(first, want)
+    del first
+
+    def others():
+        for index in range(4):
+            transport.wait(transport.start(Op.MAX, data, f"other{index}"))
+
+    others()
+    again = transport.wait(transport.start(Op.SUM, data, "bucket.sum"))
+    others()
+    held = transport.wait(transport.start(Op.SUM, data * 2, "bucket.sum"))
+    parts = []
+    for _ in range(2):
+        parts.append(transport.wait(transport.start(Op.ALLTOALL, data, "bucket.parts")).data_ptr())
+        others()
+    return {"reused": again.data_ptr() == first_ptr, "held_kept": torch.equal(again, want),
+            "fresh_for_held": held.data_ptr() != again.data_ptr() and torch.equal(held, 2 * want),
+            "sums": first_ok, "all_to_all_reused": parts[0] == parts[1]}
+
+
+def _torch_transport():
+    import hvdcomp.ddp
+
+    return hvdcomp.ddp.TorchDistributedTransport()
 
 
 def _birder_steps(steps):
@@ -196,6 +235,8 @@ def _birder_steps(steps):
 def test_ddp_hook_on_two_gloo_workers():
     results = run_ddp(_two_workers, np=2)
     for out in results:
+        assert out["outputs"] == {"reused": True, "held_kept": True, "fresh_for_held": True, "sums": True,
+                                  "all_to_all_reused": True}, out["outputs"]
         assert out["none_vs_ddp"] <= 1e-6
         steps, sent, uncompressed = out["none_stats"]
         assert steps == 3 and sent == uncompressed == 3 * 4 * out["numel"]  # fp32, once per synchronizing step
@@ -248,6 +289,8 @@ def _emulated_nodes() -> dict:
 def test_ddp_hook_hierarchical_on_two_emulated_nodes_of_two():
     results = run_ddp(_emulated_nodes, np=4, local_size=2)
     for out in results:
+        assert out["outputs"] == {"reused": True, "held_kept": True, "fresh_for_held": True, "sums": True,
+                                  "all_to_all_reused": True}, out["outputs"]
         assert out["none_vs_ddp"] <= 1e-6
         for name in ("qsgd", "powersgd"):
             params, (intra, inter), (flat_intra, flat_inter) = out[name]

@@ -10,7 +10,8 @@ Both are built by the constructor, so **construction is collective**: every rank
 transports in the same order (one small all-gather of the node sizes, then the subgroups). A scope
 of one worker (one node, or one worker per node) needs no group: its result is the tensor itself.
 
-``start`` queues an asynchronous collective (``async_op=True``) and returns a handle; ``poll`` says
+``start`` queues an asynchronous collective (``async_op=True``) into an output kept per collective name (reused once
+nothing refers to it: ``hvdcomp.codec.recycle``) and returns a handle; ``poll`` says
 whether it has completed, ``wait`` returns the result, ``collective`` is both. torch.distributed pairs
 collectives by call order, not by name, so ``blocking`` is True in the sense of the ``Transport``
 contract: every worker must start a group's collectives in the same order. ALLTOALL sends part ``j`` of
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..codec.recycle import ResultBuffers
 from ..exchange.protocol import Op, Placement, Reduction, Scope, Transport
 
 # The last few finished works, of every transport: a Gloo worker thread drops its reference to a work
@@ -97,6 +99,7 @@ class TorchDistributedTransport(Transport):
         seen = torch.stack(views).cpu()
         self._equal_nodes = bool((seen[:, 0] == local).all() and seen[:, 1].all() and self.size % local == 0)
         self._node = self._cross = None
+        self._results = ResultBuffers()  # per collective name, its output
         self._whole_world = self.size == dist.get_world_size()
         if self.equal_nodes and self._whole_world and 1 < self.local_size < self.size:
             self._node, _ = dist.new_subgroups(group_size=self.local_size)
@@ -136,12 +139,12 @@ class TorchDistributedTransport(Transport):
                                  f"equal parts, got shape {tuple(send.shape)}")
             if group is None:
                 return _Handle(None, send.clone())
-            result = torch.empty_like(send)
+            result = self._output(name, send)
             return _Handle(dist.all_to_all_single(result, send, group=group, async_op=True), result)
         if op.reduction is not Reduction.ALLGATHER:
-            result = send.clone()
             if group is None:
-                return _Handle(None, result)
+                return _Handle(None, send.clone())
+            result = self._output(name, send).copy_(send)
             reduce_op = dist.ReduceOp.MAX if op.reduction is Reduction.MAX else dist.ReduceOp.SUM
             return _Handle(dist.all_reduce(result, op=reduce_op, group=group, async_op=True), result)
         rows_here = send.shape[0] if send.dim() else 1
@@ -158,6 +161,13 @@ class TorchDistributedTransport(Transport):
         buffers = [torch.empty_like(padded) for _ in range(size)]
         work = dist.all_gather(buffers, padded, group=group, async_op=True)
         return _Handle(work, buffers, rows, tuple(send.shape[1:]))
+
+    def _output(self, name: str | None, send: torch.Tensor) -> torch.Tensor:
+        """A result buffer shaped as ``send``: ``name``'s previous one once nothing refers to it (a fresh one is faulted
+        in page by page while the backend writes it: docs/benchmarks.md#kernel-level-measurements), else a new one."""
+        if name is None:
+            return torch.empty_like(send)
+        return self._results.take(name, send.numel(), send.dtype, send.device).view(send.shape)
 
     def poll(self, handle: _Handle) -> bool:
         return handle.work is None or handle.work.is_completed()
