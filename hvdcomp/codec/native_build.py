@@ -142,6 +142,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_unpack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
     "hvdcomp_lane_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_rotate": [_POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT],
 }
 
 

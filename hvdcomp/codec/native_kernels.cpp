@@ -499,3 +499,78 @@ int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t wid
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------------
+// The randomized Hadamard rotation of scale groups (hvdcomp/codec/rotation.py, whose docstring gives the blocks and
+// the order of operations; tests/test_rotation.py checks this kernel against it bit for bit).
+
+namespace {
+
+constexpr int64_t kMaxRotationBlock = int64_t{1} << 16;  // rotation.MAX_BLOCK
+
+// x[0..n) *= -1 where uniform `start + i` of the stream is above 1/2 (the rotation's signs).
+void flip_signs(float* x, int64_t start, int64_t n, const Stream& s) {
+  float u[kChunk + 16];
+  for (int64_t done = 0; done < n;) {
+    const int64_t m = std::min(kChunk, n - done), first = (start + done) & ~int64_t{7};
+    const int64_t skip = start + done - first;
+    draw(first, (skip + m + 7) & ~int64_t{7}, s, u);
+    for (int64_t i = 0; i < m; ++i) x[done + i] = x[done + i] * (u[skip + i] > 0.5f ? -1.0f : 1.0f);
+    done += m;
+  }
+}
+
+// The Hadamard levels h = 1, 2, ..., b / 2 of x[0..b), then the factor b**-1/2 (rounded to float32).
+void hadamard_block(float* x, int64_t b) {
+  for (int64_t h = 1; h < b; h *= 2)
+    for (int64_t i = 0; i < b; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float u = x[j], v = x[j + h];
+        x[j] = u + v;
+        x[j + h] = u - v;
+      }
+  const float factor = static_cast<float>(1.0 / std::sqrt(static_cast<double>(b)));
+  for (int64_t i = 0; i < b; ++i) x[i] *= factor;
+}
+
+// The largest power of two that is at most n (n >= 1) and at most max_block.
+inline int64_t block_at(int64_t n, int64_t max_block) {
+  int64_t b = 1;
+  while (b * 2 <= n && b * 2 <= max_block) b *= 2;
+  return b;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rotates (inverse = 0) or rotates back (inverse = 1) in place the blocks of x[0..numel) that start in [first, last):
+// the blocks of the scale groups ending before ends[0..groups) (cumulative, ending at numel), max_block a power of
+// two in [1, 2**16], the signs from the stream's uniforms of each element's index.
+int64_t hvdcomp_rotate(float* x, int64_t numel, const int64_t* ends, int64_t groups, int64_t max_block,
+                       const int64_t* stream_words, int64_t inverse, int64_t first, int64_t last) {
+  if (numel < 0 || groups < 0 || max_block < 1 || max_block > kMaxRotationBlock || (max_block & (max_block - 1)) ||
+      (inverse != 0 && inverse != 1) || first < 0 || first > last || last > numel || (groups == 0 && numel != 0))
+    return kBadArgument;
+  for (int64_t g = 0; g < groups; ++g)
+    if (ends[g] < (g ? ends[g - 1] : 0) || ends[g] > numel) return kBadArgument;
+  if (groups && ends[groups - 1] != numel) return kBadArgument;
+  const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
+                 static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
+  for (int64_t g = std::upper_bound(ends, ends + groups, first) - ends; g < groups; ++g) {
+    int64_t pos = g ? ends[g - 1] : 0;
+    if (pos >= last) break;
+    while (pos < ends[g]) {
+      const int64_t b = block_at(ends[g] - pos, max_block);
+      if (pos >= first && pos < last) {
+        if (!inverse) flip_signs(x + pos, pos, b, s);
+        hadamard_block(x + pos, b);
+        if (inverse) flip_signs(x + pos, pos, b, s);
+      }
+      pos += b;
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

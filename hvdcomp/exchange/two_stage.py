@@ -27,6 +27,9 @@ with scale ``M``, stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` inde
 so the constant wire cost is paid in variance (up to ``W + 1`` times the lanes', less where the chunk
 means are smaller than ``M``: ``m < 1``).
 
+**Rotation** (``inner``'s ``rotate``): stage 1 quantizes the rotated values (``hvdcomp.codec.rotation``) and every
+worker rotates the gathered result back; the bound holds with the rotated ``M``. Without error feedback: the chunk
+owners' memories would be of one step's rotated values.
 **Error feedback** (``error_feedback=True``, both stages): each worker adds what its stage-1 rounding
 lost last time to its values before the shared scale (the memory of ``key``), and each chunk owner
 adds what its re-quantization lost (in value units) to its chunk's mean before choosing ``m`` (the
@@ -94,10 +97,17 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if exchange == "two_stage" and not self.supports_two_stage:
             raise ValueError("exchange='two_stage' needs a single-resolution max-norm codec without coordinate "
                              "selection (QSGDMaxNorm); use 'lanes' or 'auto' for the others")
+        if error_feedback and inner.rotation is not None:
+            raise ValueError("a rotated two-stage exchange keeps no error feedback: the chunk owners' memories would "
+                             "hold values rotated by a step's rotation; pass error_feedback=False or rotate=False")
         self.inner = inner
         self.mode = exchange
         self.memory = ErrorFeedback() if check_bool("error_feedback", error_feedback) else None
         self.workers_per_node = check_int("workers_per_node", workers_per_node, 1)
+
+    def config(self) -> tuple:
+        """What every worker must share: whether ``inner`` rotates."""
+        return () if self.inner.rotation is None else ("rotate",)
 
     def bind_rank(self, rank: int) -> None:
         self.inner.bind_rank(rank)
@@ -129,7 +139,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         residual = None if self.memory is None else self.memory.residual(key, flat)
         values = flat if residual is None else flat + residual
         groups = quantizer.scale_groups(numel, layout)
-
+        if self.inner.rotation is not None:
+            values = self.inner.rotation.forward(values, groups, key, step)
         scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
         nonfinite = quantizer.saw_nonfinite(scale_stats)
         if nonfinite:
@@ -167,7 +178,9 @@ class TwoStageMaxNorm(ElementwiseCodec):
         scales = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32)
         result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
         result = result.mul_(scales / s).reshape(-1)[:numel].mul_(step_sizes).mul_(s)
-        return result.fill_(float("nan")) if nonfinite else result
+        if nonfinite:
+            return result.fill_(float("nan"))
+        return result if self.inner.rotation is None else self.inner.rotation.inverse_(result, groups, key, step)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner codec's state and both stages' error-feedback memories."""
