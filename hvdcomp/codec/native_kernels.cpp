@@ -520,15 +520,52 @@ void flip_signs(float* x, int64_t start, int64_t n, const Stream& s) {
   }
 }
 
+// One Hadamard level h of x[0..b): (u, v) -> (u + v, u - v) for x[j], x[j + h] of each run of 2 h.
+void hadamard_level(float* x, int64_t b, int64_t h) {
+  for (int64_t i = 0; i < b; i += 2 * h)
+    for (int64_t j = i; j < i + h; ++j) {
+      const float u = x[j], v = x[j + h];
+      x[j] = u + v;
+      x[j + h] = u - v;
+    }
+}
+
+// Two Hadamard levels h and 2 h of x[0..b) in one pass (4 h <= b): the same sums and differences as two passes.
+void hadamard_two_levels(float* x, int64_t b, int64_t h) {
+  for (int64_t i = 0; i < b; i += 4 * h)
+    for (int64_t j = i; j < i + h; ++j) {
+      const float p = x[j] + x[j + h], q = x[j] - x[j + h], r = x[j + 2 * h] + x[j + 3 * h],
+                  t = x[j + 2 * h] - x[j + 3 * h];
+      x[j] = p + r;
+      x[j + h] = q + t;
+      x[j + 2 * h] = p - r;
+      x[j + 3 * h] = q - t;
+    }
+}
+
+#if defined(__AVX2__)
+// Levels 1, 2 and 4 of 8 consecutive values in a register: each level's lower half u + v, its upper half u - v.
+inline __m256 hadamard8(__m256 x) {
+  __m256 swapped = _mm256_permute_ps(x, 0xB1);
+  x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xAA);
+  swapped = _mm256_permute_ps(x, 0x4E);
+  x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xCC);
+  swapped = _mm256_permute2f128_ps(x, x, 0x01);
+  return _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xF0);
+}
+#endif
+
 // The Hadamard levels h = 1, 2, ..., b / 2 of x[0..b), then the factor b**-1/2 (rounded to float32).
 void hadamard_block(float* x, int64_t b) {
-  for (int64_t h = 1; h < b; h *= 2)
-    for (int64_t i = 0; i < b; i += 2 * h)
-      for (int64_t j = i; j < i + h; ++j) {
-        const float u = x[j], v = x[j + h];
-        x[j] = u + v;
-        x[j + h] = u - v;
-      }
+  int64_t h = 1;
+#if defined(__AVX2__)
+  if (b >= 8) {
+    for (int64_t i = 0; i < b; i += 8) _mm256_storeu_ps(x + i, hadamard8(_mm256_loadu_ps(x + i)));
+    h = 8;
+  }
+#endif
+  for (; 4 * h <= b; h *= 4) hadamard_two_levels(x, b, h);
+  if (h < b) hadamard_level(x, b, h);
   const float factor = static_cast<float>(1.0 / std::sqrt(static_cast<double>(b)));
   for (int64_t i = 0; i < b; ++i) x[i] *= factor;
 }
