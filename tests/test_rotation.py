@@ -2,7 +2,9 @@
 transform against an explicit Hadamard matrix, the native kernel against the torch path bit for bit (and its size
 checks), the rotated codec's unbiasedness and its variance bound, and the workers' agreement on ``rotate``."""
 
+import ctypes
 import math
+import platform
 
 import pytest
 import torch
@@ -104,7 +106,20 @@ def test_the_signs_are_shared_by_key_and_step_not_by_rank_and_change_with_the_st
     assert not torch.equal(one.forward(x, groups, "k", 1).clone(), two.forward(x, groups, "j", 1))
 
 
-@pytest.mark.usefixtures("native_on")
+@pytest.fixture(params=["native", "portable"])
+def rotation_build(request, monkeypatch, native_on, tmp_path_factory):
+    """This CPU's build of the kernels, then (on x86-64) one without AVX2 (their portable loops)."""
+    if request.param == "portable":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the portable build is checked on x86-64")
+        path = tmp_path_factory.mktemp("portable") / "native_kernels.so"
+        flags = tuple(f for f in native.FLAGS if f != "-march=native") + ("-march=x86-64",)
+        native.build(native.compiler(), path, flags)
+        monkeypatch.setattr(native._Library, "handle", native.declare(ctypes.CDLL(str(path))))
+    return request.param
+
+
+@pytest.mark.usefixtures("rotation_build")
 @pytest.mark.parametrize("lengths,max_block", [([1], MAX_BLOCK), ([100, 70000, 4096, 4096, 3], MAX_BLOCK),
                                                 ([300000], MAX_BLOCK), ([5000] * 40, 256), ([0, 9, 0], 4)])
 @pytest.mark.parametrize("inverse", [False, True])
