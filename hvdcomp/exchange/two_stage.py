@@ -28,8 +28,8 @@ so the constant wire cost is paid in variance (up to ``W + 1`` times the lanes',
 means are smaller than ``M``: ``m < 1``).
 
 **Rotation** (``inner``'s ``rotate``): stage 1 quantizes the rotated values (``hvdcomp.codec.rotation``) and every
-worker rotates the gathered result back; the bound holds with the rotated ``M``. Without error feedback: the chunk
-owners' memories would be of one step's rotated values.
+worker rotates the gathered result back; the bound holds with the rotated ``M``. It takes no error feedback: the
+chunk owners' memories would hold one step's rotated values.
 **Error feedback** (``error_feedback=True``, both stages): each worker adds what its stage-1 rounding
 lost last time to its values before the shared scale (the memory of ``key``), and each chunk owner
 adds what its re-quantization lost (in value units) to its chunk's mean before choosing ``m`` (the
@@ -141,6 +141,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         groups = quantizer.scale_groups(numel, layout)
         if self.inner.rotation is not None:
             values = self.inner.rotation.forward(values, groups, key, step)
+
         scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
         nonfinite = quantizer.saw_nonfinite(scale_stats)
         if nonfinite:
