@@ -14,9 +14,10 @@ Three measurements, each printed as a Markdown table:
    (scale agreed ahead, its default) with and without rotation, over seeds 0, 1, 2: a **single-process simulation**
    of the workers (``hvdcomp.exchange.simulate``: every worker's codec, bit for bit what real collectives give), one
    bucket.
-3. **Cost.** The rotation's forward and inverse per element over ResNet-50's gradient (per-tensor groups, 25 MiB
-   buckets), native kernel and torch path, ``--threads`` threads; the whole codec's cost with rotation is
-   ``benchmarks/codec_costs.py --only rotate``.
+3. **Cost.** Per element over the ResNet-50's gradient (per-tensor groups, 25 MiB buckets), ``--threads`` threads,
+   the fastest of ``--repeats`` passes: the rotation's forward and inverse (native kernel, torch path), and the
+   codec's compress + decompress with and without it (``benchmarks/codec_costs.py``'s loop; its table has the
+   rotated codecs too).
 
     python benchmarks/rotation.py --workers 4
 """
@@ -34,6 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train  # noqa: E402  (examples/train.py: the digits data and the learning-rate schedule)
+from codec_costs import _buckets  # noqa: E402  (benchmarks/codec_costs.py: its buckets and exchange loop)
+from codec_costs import _run as run_exchange  # noqa: E402
 from models import ResNet50, SmallCNN  # noqa: E402
 
 from hvdcomp import QSGDMaxNorm  # noqa: E402
@@ -42,6 +45,7 @@ from hvdcomp.codec.rotation import HadamardRotation  # noqa: E402
 from hvdcomp.exchange import MaxNormCodec  # noqa: E402
 from hvdcomp.exchange.plan import plan_buckets  # noqa: E402
 from hvdcomp.exchange.simulator import simulate  # noqa: E402
+from hvdcomp.exchange.stats import Traffic  # noqa: E402
 
 BITS = (2, 4, 8)
 BUCKET_MB = 25.0
@@ -159,30 +163,58 @@ def accuracy_table(workers: int, epochs: int, bits: int) -> None:
         print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in top1) + f" | {sum(top1) / 3:.2f} |", flush=True)
 
 
-def cost_table(grads: list[torch.Tensor], repeats: int) -> None:
-    params = [torch.nn.Parameter(g) for g in grads]
-    plan = plan_buckets(params, {p: str(i) for i, p in enumerate(params)}, BUCKET_MB)
+def cost_table(grads: list[torch.Tensor], workers: int, repeats: int) -> None:
+    """The rotation alone (native and torch), then the codec's compress + decompress with and without it (as
+    benchmarks/codec_costs.py times them), per element over ``grads`` in 25 MiB buckets: the fastest of ``repeats``
+    passes, the variants interleaved in each (robust to other jobs on the machine)."""
+    buckets = _buckets([g.shape for g in grads], BUCKET_MB)
+    by_shape = iter(reversed(grads))  # _buckets orders the shapes backward, as backward produces them
+    tensors = [[next(by_shape) for _ in bucket] for bucket in buckets]
+    flats = [torch.cat([t.reshape(-1) for t in bucket]) for bucket in tensors]
+    numel = sum(flat.numel() for flat in flats)
     quantizer = MaxNormQuantizer((8,))
-    work = [(torch.cat([p.detach().reshape(-1) for p in b.params]), quantizer.scale_groups(
-        sum(b.sizes), b.sizes), b.key) for b in plan]
-    numel = sum(flat.numel() for flat, _, _ in work)
-    print(f"| path ({torch.get_num_threads()} thread(s)) | forward ns/el | inverse ns/el | both ns/el |")
-    print("|---|---|---|---|")
-    for path in ("native", "torch"):
-        rotation = HadamardRotation()
-        seconds = {"forward": 0.0, "inverse": 0.0}
-        with fused.eager() if path == "torch" else torch.no_grad():
-            for repeat in range(repeats + 1):  # the first is a warm-up (buffers, the kernels' build)
-                for flat, groups, key in work:
-                    start = time.perf_counter()
-                    rotated = rotation.forward(flat, groups, key, repeat)
-                    middle = time.perf_counter()
-                    rotation.inverse_(rotated, groups, key, repeat)
+    groups = [quantizer.scale_groups(flat.numel(), [t.numel() for t in bucket]) for flat, bucket in zip(flats, tensors)]
+    rotations = {"native": HadamardRotation(), "torch": HadamardRotation()}
+    codecs = {(bits, rotate): MaxNormCodec(MaxNormQuantizer((bits,)), rotate=rotate) for bits in (8, 2)
+              for rotate in (False, True)}
+    for codec in codecs.values():
+        codec.bind_rank(0)
+    best: dict[object, float] = {}
+    for repeat in range(repeats + 1):  # the first is a warm-up (buffers, the kernels' build)
+        for path, rotation in rotations.items():
+            with fused.eager() if path == "torch" else torch.no_grad():
+                for direction in ("forward", "inverse"):
+                    seconds = 0.0
+                    for index, (flat, group) in enumerate(zip(flats, groups)):
+                        rotated = rotation.forward(flat, group, index, repeat)
+                        start = time.perf_counter()
+                        if direction == "forward":
+                            rotation.forward(flat, group, index, repeat)
+                        else:
+                            rotation.inverse_(rotated, group, index, repeat)
+                        seconds += time.perf_counter() - start
                     if repeat:
-                        seconds["forward"] += middle - start
-                        seconds["inverse"] += time.perf_counter() - middle
-        forward, inverse = (1e9 * seconds[k] / (repeats * numel) for k in ("forward", "inverse"))
-        print(f"| {path} | {forward:.2f} | {inverse:.2f} | {forward + inverse:.2f} |", flush=True)
+                        best[path, direction] = min(best.get((path, direction), float("inf")), seconds)
+        for variant, codec in codecs.items():
+            traffic = Traffic()
+            for index, bucket in enumerate(tensors):
+                run_exchange(codec, bucket, f"bucket{index}", repeat, workers, traffic)
+            if repeat:
+                seconds = traffic.compress_s + traffic.decompress_s
+                best[variant] = min(best.get(variant, float("inf")), seconds)
+    per_element = {key: 1e9 * seconds / numel for key, seconds in best.items()}
+    print(f"| rotation ({torch.get_num_threads()} thread(s), best of {repeats}) | forward ns/el | inverse ns/el | "
+          "both ns/el |")
+    print("|---|---|---|---|")
+    for path in rotations:
+        forward, inverse = per_element[path, "forward"], per_element[path, "inverse"]
+        print(f"| {path} | {forward:.2f} | {inverse:.2f} | {forward + inverse:.2f} |")
+    print(f"\n| codec, W = {workers} (compress + decompress, best of {repeats}) | plain ns/el | rotate ns/el | "
+          "extra ns/el |")
+    print("|---|---|---|---|")
+    for bits in (8, 2):
+        plain, rotated = per_element[bits, False], per_element[bits, True]
+        print(f"| QSGDMaxNorm({bits}), exact scale | {plain:.2f} | {rotated:.2f} | {rotated - plain:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -195,6 +227,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--accuracy-bits", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes of the cost measurements")
     parser.add_argument("--only", nargs="*", default=("variance", "accuracy", "cost"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -212,7 +245,7 @@ def main() -> None:
     if "accuracy" in args.only:
         accuracy_table(args.workers, args.epochs, args.accuracy_bits)
     if "cost" in args.only:
-        cost_table(resnet[0], repeats=3)
+        cost_table(resnet[0], args.workers, args.repeats)
 
 
 if __name__ == "__main__":
