@@ -124,11 +124,15 @@ def rotation_build(request, monkeypatch, native_on, tmp_path_factory):
                                                 ([300000], MAX_BLOCK), ([5000] * 40, 256), ([0, 9, 0], 4)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_native_rotation_equals_the_torch_path_bit_for_bit(lengths, max_block, inverse):
-    torch.set_num_threads(2)  # [300000] splits over two threads
     x = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(4))
     groups = torch.tensor(lengths)
     words = stream_words(5, 1, "rotation", "k")
-    native_result = native.rotate(x.clone(), groups, max_block, words, inverse)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # [300000] splits over two threads
+    try:
+        native_result = native.rotate(x.clone(), groups, max_block, words, inverse)
+    finally:
+        torch.set_num_threads(threads)
     with fused.eager():
         rotation = HadamardRotation(seed=1, max_block=max_block)
         method = rotation.inverse_ if inverse else rotation.forward
