@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="full precision inside nodes, compressed between; default: as horovodrun "
                         "--hierarchical-allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE) says (Birder: on)")
     p.add_argument("--warmup-steps", type=int, default=0, help="exchange uncompressed for the first steps")
+    p.add_argument("--rotate", action="store_true", help="qsgd, qsgd-multiscale: randomized Hadamard rotation")
     p.add_argument("--elastic", action="store_true",
                    help="Horovod elastic training (horovodrun --min-np/--host-discovery-script); commits every step")
     p.add_argument("--bucket-mb", type=float, default=None,
@@ -125,6 +126,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
         if args.k is not None and args.k < 1:
             parser.error(f"--k must be positive, got {args.k}")
+    if args.rotate and args.scheme not in ("qsgd", "qsgd-multiscale"):
+        parser.error(f"--rotate is for --scheme qsgd and qsgd-multiscale, not {args.scheme}")
     if args.rank < 1:
         parser.error(f"--rank must be positive, got {args.rank}")
     if args.epochs < 1 or args.batch_size < 1:
@@ -215,8 +218,8 @@ def build_compression(args: argparse.Namespace) -> Any:
         "none": lambda: None,
         "fp16": lambda: FP16(error_feedback=args.error_feedback),
         "bf16": lambda: BF16(error_feedback=args.error_feedback),
-        "qsgd": lambda: hvdcomp.QSGDMaxNorm(bits[0], **options),
-        "qsgd-multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale(tuple(bits), **options),
+        "qsgd": lambda: hvdcomp.QSGDMaxNorm(bits[0], rotate=args.rotate, **options),
+        "qsgd-multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale(tuple(bits), rotate=args.rotate, **options),
         "randk": lambda: hvdcomp.GlobalRandKMaxNorm(k=args.k, ratio=args.ratio, bits=bits[0], error_feedback=ef,
                                                     **options),
         "randk-multiscale": lambda: hvdcomp.GlobalRandKMaxNormMultiScale(k=args.k, ratio=args.ratio,

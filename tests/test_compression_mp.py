@@ -13,6 +13,7 @@ EMULATED_NODES = "localhost:2,127.0.0.1:2"
 COMPRESSORS = {
     "qsgd8": ("QSGDMaxNorm", {"bits": 8, "scale": "exact"}),
     "qsgd2_chunked": ("QSGDMaxNorm", {"bits": 2, "chunk_size": 7, "scale": "exact"}),
+    "qsgd4_rotated": ("QSGDMaxNorm", {"bits": 4, "chunk_size": 300, "scale": "exact", "rotate": True}),
     "multiscale": ("QSGDMaxNormMultiScale", {"bits": (2, 6)}),
     "randk_ef": ("GlobalRandKMaxNorm", {"ratio": 0.3, "bits": 6}),
     "randk_rescaled": ("GlobalRandKMaxNorm", {"ratio": 0.2, "bits": 4, "error_feedback": False}),
@@ -98,8 +99,8 @@ def test_exchange_is_exact_identical_and_matches_one_process_simulation():
                 assert got[0].shape == want.shape and got[0].dtype == want.dtype
                 assert torch.equal(got[0], got[1]), (name, op, step, index)  # identical on every rank
                 assert torch.equal(got[0], want), (name, op, step, index)  # bit-exact mean of dequantized
-                if not name.startswith("randk") and want.numel():
-                    # dense schemes: each worker's rounding error is below one coarse unit M / s_1
+                if not name.startswith("randk") and "rotate" not in COMPRESSORS[name][1] and want.numel():
+                    # dense unrotated schemes: each worker's rounding error is below one coarse unit M / s_1
                     pair = torch.stack([step_grads[step][rank][index] for rank in range(world_size)])
                     unit = pair.abs().max() / _coarse_levels(name)
                     true = pair.sum(dim=0) if op == "sum" else pair.mean(dim=0)
@@ -123,13 +124,20 @@ def _mismatch_worker():
         compressor.decompress(hvd.allreduce(payload), ctx)
     except hvdcomp.CarrierMismatchError as error:
         caught["bits"] = str(error)
+    # the same carrier, rotated on one worker only
+    compressor = hvdcomp.QSGDMaxNorm(bits=8, min_compress_numel=0, rotate=hvd.rank() == 0)
+    payload, ctx = compressor.compress(torch.ones(1))
+    try:
+        compressor.decompress(hvd.allreduce(payload), ctx)
+    except hvdcomp.CarrierMismatchError as error:
+        caught["rotate"] = str(error)
     return caught
 
 
 def test_mismatched_configuration_raises_on_every_rank():
     results = run_function(_mismatch_worker, np=2)
     for rank_result in results:
-        assert "different" in rank_result["bits"]
+        assert "different" in rank_result["bits"] and "different" in rank_result["rotate"]
 
 
 def _small_gradients_worker():

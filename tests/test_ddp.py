@@ -57,6 +57,7 @@ def _compressions() -> dict[str, object]:
         "none": hvdcomp.NoCompression(),
         "fp16": hvdcomp.FP16(error_feedback=True),
         "qsgd": hvdcomp.QSGDMaxNorm(8),
+        "qsgd-rotated": hvdcomp.QSGDMaxNorm(4, rotate=True),
         "qsgd-multiscale": hvdcomp.QSGDMaxNormMultiScale((4, 8)),
         "randk": hvdcomp.GlobalRandKMaxNorm(ratio=0.3, bits=8),
         "randk-multiscale": hvdcomp.GlobalRandKMaxNormMultiScale(ratio=0.3, bits=(4, 8)),

@@ -45,6 +45,8 @@ CODECS: dict[str, tuple[Callable[[], object], str, int]] = {  # name: (compressi
     "randk1": (lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.01), "lanes", 3),
     "randk1-multiscale": (lambda: hvdcomp.GlobalRandKMaxNormMultiScale(ratio=0.01, bits=(4, 8)), "lanes", 3),
     "qsgd4-two-stage": (lambda: hvdcomp.QSGDMaxNorm(4, scale="exact"), "two_stage", 3),
+    "qsgd4-rotated": (lambda: hvdcomp.QSGDMaxNorm(4, rotate=True), "lanes", 3),
+    "qsgd2-rotated-two-stage": (lambda: hvdcomp.QSGDMaxNorm(2, scale="exact", rotate=True), "two_stage", 3),
     "powersgd1": (lambda: hvdcomp.PowerSGD(rank=1), "lanes", 2),
 }
 

@@ -6,8 +6,8 @@ import torch
 from tests.harness import run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
-SCHEMES = ["none", "horovod_none", "fp16", "fp16_ef", "qsgd8", "qsgd4_chunked", "multiscale", "randk", "powersgd1",
-           "powersgd2"]
+SCHEMES = ["none", "horovod_none", "fp16", "fp16_ef", "qsgd8", "qsgd4_chunked", "qsgd4_rotated", "multiscale", "randk",
+           "powersgd1", "powersgd2"]
 
 
 def _codec(name):
@@ -23,6 +23,7 @@ def _codec(name):
         "fp16_ef": lambda: FP16(error_feedback=True),
         "qsgd8": lambda: hvdcomp.QSGDMaxNorm(8),
         "qsgd4_chunked": lambda: hvdcomp.QSGDMaxNorm(4, chunk_size=64),
+        "qsgd4_rotated": lambda: hvdcomp.QSGDMaxNorm(4, rotate=True),
         "multiscale": lambda: hvdcomp.QSGDMaxNormMultiScale((3, 8)),
         "randk": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.5, bits=6),
         "powersgd1": lambda: PowerSGD(rank=1, min_compression_rate=1.0),
@@ -170,7 +171,7 @@ def test_statistics_in_the_payload_train_exactly_as_with_a_max_np2():
 
 
 def test_two_emulated_nodes_flat_and_hierarchical():
-    names = ["none", "qsgd8", "multiscale", "randk", "fp16", "powersgd2"]
+    names = ["none", "qsgd8", "qsgd4_rotated", "multiscale", "randk", "fp16", "powersgd2"]
     results = run_function(_flat_worker, np=4, hosts=EMULATED_NODES, init_kwargs={"process_sets": "dynamic"},
                            kwargs={"names": names, "steps": 8, "hierarchical_too": True}, timeout=400)
     baseline = _final_loss(results, ("none", False))

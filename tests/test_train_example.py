@@ -190,3 +190,10 @@ def test_gloo_timeout_raised_for_more_workers_than_cores(monkeypatch, capsys, wo
     assert train.os.environ.get(train.GLOO_TIMEOUT) == expected
     told = f"{train.GLOO_TIMEOUT}=90" in capsys.readouterr().err
     assert told == (expected == "90")
+
+
+def test_rotate_is_for_the_qsgd_schemes(capsys):
+    assert train.parse_args(["--scheme", "qsgd", "--bits", "2", "--rotate"]).rotate
+    with pytest.raises(SystemExit):
+        train.parse_args(["--scheme", "randk", "--rotate"])
+    assert "--rotate is for --scheme qsgd and qsgd-multiscale" in capsys.readouterr().err

@@ -42,6 +42,7 @@ from .native_build import library_path as library_path
 from .native_build import load
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
 from .random import OUTPUTS_PER_BLOCK
+from .validate import check_groups
 
 ENV_SWITCH = "HVDCOMP_NATIVE"
 MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
@@ -369,3 +370,21 @@ def counts_mean(word_sums: torch.Tensor, lanes: int, width: int, group: int, out
     _in_parallel(run, out.numel(), lane_block_values(lanes))
     return out
 
+
+def rotate(values: torch.Tensor, groups: torch.Tensor, max_block: int, rng: torch.Tensor,
+           inverse: bool) -> torch.Tensor:
+    """``values`` (contiguous float32, CPU) rotated in place, or rotated back with ``inverse``: ``rotation``'s
+    randomized Hadamard transform in the blocks (at most ``max_block``) of the scale groups ``groups`` (int64
+    lengths), the signs from the stream words ``rng``; returns ``values``."""
+    numel = _checked("the values", values, torch.float32).numel()
+    check_groups(groups, numel)
+    ends = groups.to("cpu", torch.int64).cumsum(0).contiguous()
+    rng = _stream(rng)
+    lib = _Library.handle
+
+    def run(first: int, last: int) -> None:
+        lib.hvdcomp_rotate(values.data_ptr(), numel, ends.data_ptr(), ends.numel(), max_block, rng.data_ptr(),
+                           int(inverse), first, last)
+
+    _in_parallel(run, numel, 1)
+    return values

@@ -148,6 +148,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_requantize_planes": [_POINTER, _INT, _INT, _INT, _INT, _FLOAT, _POINTER, _INT, _INT, _POINTER],
     "hvdcomp_decode_planes": [_POINTER, _INT, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
                               _POINTER],
+    "hvdcomp_rotate": [_POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT],
 }
 
 

@@ -678,3 +678,115 @@ int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t 
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------------
+// The randomized Hadamard rotation of scale groups (hvdcomp/codec/rotation.py, whose docstring gives the blocks and
+// the order of operations; tests/test_rotation.py checks this kernel against it bit for bit).
+
+namespace {
+
+constexpr int64_t kMaxRotationBlock = int64_t{1} << 16;  // rotation.MAX_BLOCK
+
+// x[0..n) *= -1 where uniform `start + i` of the stream is above 1/2 (the rotation's signs).
+void flip_signs(float* x, int64_t start, int64_t n, const Stream& s) {
+  float u[kChunk + 16];
+  for (int64_t done = 0; done < n;) {
+    const int64_t m = std::min(kChunk, n - done), first = (start + done) & ~int64_t{7};
+    const int64_t skip = start + done - first;
+    draw(first, (skip + m + 7) & ~int64_t{7}, s, u);
+    for (int64_t i = 0; i < m; ++i) x[done + i] = x[done + i] * (u[skip + i] > 0.5f ? -1.0f : 1.0f);
+    done += m;
+  }
+}
+
+// One Hadamard level h of x[0..b): (u, v) -> (u + v, u - v) for x[j], x[j + h] of each run of 2 h.
+void hadamard_level(float* x, int64_t b, int64_t h) {
+  for (int64_t i = 0; i < b; i += 2 * h)
+    for (int64_t j = i; j < i + h; ++j) {
+      const float u = x[j], v = x[j + h];
+      x[j] = u + v;
+      x[j + h] = u - v;
+    }
+}
+
+// Two Hadamard levels h and 2 h of x[0..b) in one pass (4 h <= b): the same sums and differences as two passes.
+void hadamard_two_levels(float* x, int64_t b, int64_t h) {
+  for (int64_t i = 0; i < b; i += 4 * h)
+    for (int64_t j = i; j < i + h; ++j) {
+      const float p = x[j] + x[j + h], q = x[j] - x[j + h], r = x[j + 2 * h] + x[j + 3 * h],
+                  t = x[j + 2 * h] - x[j + 3 * h];
+      x[j] = p + r;
+      x[j + h] = q + t;
+      x[j + 2 * h] = p - r;
+      x[j + 3 * h] = q - t;
+    }
+}
+
+#if defined(__AVX2__)
+// Levels 1, 2 and 4 of 8 consecutive values in a register: each level's lower half u + v, its upper half u - v.
+inline __m256 hadamard8(__m256 x) {
+  __m256 swapped = _mm256_permute_ps(x, 0xB1);
+  x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xAA);
+  swapped = _mm256_permute_ps(x, 0x4E);
+  x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xCC);
+  swapped = _mm256_permute2f128_ps(x, x, 0x01);
+  return _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xF0);
+}
+#endif
+
+// The Hadamard levels h = 1, 2, ..., b / 2 of x[0..b), then the factor b**-1/2 (rounded to float32).
+void hadamard_block(float* x, int64_t b) {
+  int64_t h = 1;
+#if defined(__AVX2__)
+  if (b >= 8) {
+    for (int64_t i = 0; i < b; i += 8) _mm256_storeu_ps(x + i, hadamard8(_mm256_loadu_ps(x + i)));
+    h = 8;
+  }
+#endif
+  for (; 4 * h <= b; h *= 4) hadamard_two_levels(x, b, h);
+  if (h < b) hadamard_level(x, b, h);
+  const float factor = static_cast<float>(1.0 / std::sqrt(static_cast<double>(b)));
+  for (int64_t i = 0; i < b; ++i) x[i] *= factor;
+}
+
+// The largest power of two that is at most n (n >= 1) and at most max_block.
+inline int64_t block_at(int64_t n, int64_t max_block) {
+  int64_t b = 1;
+  while (b * 2 <= n && b * 2 <= max_block) b *= 2;
+  return b;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rotates (inverse = 0) or rotates back (inverse = 1) in place the blocks of x[0..numel) that start in [first, last):
+// the blocks of the scale groups ending before ends[0..groups) (cumulative, ending at numel), max_block a power of
+// two in [1, 2**16], the signs from the stream's uniforms of each element's index.
+int64_t hvdcomp_rotate(float* x, int64_t numel, const int64_t* ends, int64_t groups, int64_t max_block,
+                       const int64_t* stream_words, int64_t inverse, int64_t first, int64_t last) {
+  if (numel < 0 || groups < 0 || max_block < 1 || max_block > kMaxRotationBlock || (max_block & (max_block - 1)) ||
+      (inverse != 0 && inverse != 1) || first < 0 || first > last || last > numel || (groups == 0 && numel != 0))
+    return kBadArgument;
+  for (int64_t g = 0; g < groups; ++g)
+    if (ends[g] < (g ? ends[g - 1] : 0) || ends[g] > numel) return kBadArgument;
+  if (groups && ends[groups - 1] != numel) return kBadArgument;
+  const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
+                 static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
+  for (int64_t g = std::upper_bound(ends, ends + groups, first) - ends; g < groups; ++g) {
+    int64_t pos = g ? ends[g - 1] : 0;
+    if (pos >= last) break;
+    while (pos < ends[g]) {
+      const int64_t b = block_at(ends[g] - pos, max_block);
+      if (pos >= first && pos < last) {
+        if (!inverse) flip_signs(x + pos, pos, b, s);
+        hadamard_block(x + pos, b);
+        if (inverse) flip_signs(x + pos, pos, b, s);
+      }
+      pos += b;
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -21,7 +21,10 @@ buckets. Requests:
   MAX seeds the agreed scale.
 
 An element above the agreed scale ``M`` is sent as ``sign(x) * M`` and its excess stays in this worker's
-memory, added to the bucket's next values (``hvdcomp.codec.agreed``): delayed, never lost. Bias and
+memory, added to the bucket's next values (``hvdcomp.codec.agreed``): delayed, never lost. With ``inner``'s
+rotation (``hvdcomp.codec.rotation``) the values are rotated before the statistics, so ``M`` is the rotated
+maximum; the excess of the rotated elements is rotated back into the memory (the unrotated values: dense, on the
+steps that clip), since the next step's rotation differs. Bias and
 variance are those of ``hvdcomp.QSGDMaxNorm``'s ``scale="ahead"`` (``hvdcomp.integrations.codecs``). If any
 worker's values hold NaN/Inf, every worker learns it from the MAX after the payload and returns all-NaN,
 with a warning; the excess memory is left as it was and the next exchange is exact.
@@ -112,11 +115,17 @@ class AheadMaxNorm(ElementwiseCodec):
             exact = self.inner.exchange(values, layout, key, step, world_size, word_bits)
             return (yield from relay(exact, lambda op, tensor: (op, tensor), seed))
 
+        rotation = self.inner.rotation
+        if rotation is not None:  # the agreed scale is the rotated maximum
+            values = rotation.forward(values, groups, key, step)
         local = quantizer.local_stats(values, groups)
         finite = not quantizer.saw_nonfinite(local)
         if not finite:
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         excess = memory.clipped(values, local, scale_stats, groups) if finite else None
+        if excess is not None and rotation is not None and excess[0].numel():  # the memory is of unrotated values
+            unrotated = values.new_zeros(numel).index_put_((excess[0],), excess[1])
+            excess = torch.arange(numel, device=flat.device), rotation.inverse_(unrotated, groups, key, step)
         rounding = self.inner.rounding_stream(key, step, flat.device)
         carried = carrier_bits is not None
         word_bits = carrier_bits if carried else word_bits
@@ -129,6 +138,8 @@ class AheadMaxNorm(ElementwiseCodec):
         sums = yield Op.PAYLOAD, payload
         mean = quantizer.decode(sums[:words], scale_stats, groups, None, numel, world_size, word_bits,
                                 self.inner.buffers, key)
+        if rotation is not None:
+            mean = rotation.inverse_(mean, groups, key, step)
         if rows:  # each column summed one worker's bits and zeros: every row exactly, and their maximum
             reduced = sums[words:].to(torch.int32).view(torch.float32).view(world_size, -1).amax(dim=0)
         else:

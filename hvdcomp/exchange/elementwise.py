@@ -20,8 +20,10 @@ from ..codec.packing import INT64_WORD_BITS
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.random import stream_words
 from ..codec.recycle import ResultBuffers
+from ..codec.rotation import HadamardRotation
 from ..codec.selection import RandomCoordinateSelector
 from ..codec.sparse import gather, keep_unsent, scatter
+from ..codec.validate import check_bool
 from .bucket import ElementwiseCodec, Segments
 from .protocol import Exchange, Op
 from .simulator import simulate
@@ -215,14 +217,18 @@ class MaxNormCodec(ElementwiseCodec):
             stream (``hvdcomp.codec.random``: counter-based, stateless), so rounding is independent across
             workers, tensors and steps, and a replay of (key, step) draws the same bits in any order; part
             of the configuration every worker must share.
+        rotate: quantize the values rotated by a randomized Hadamard transform shared by every worker
+            (``hvdcomp.codec.rotation``, keyed by ``seed``, the bucket key and the step, in the blocks of each scale
+            group) and rotate the decoded mean back: the scale is the rotated maximum (docs/rotation.md).
     """
 
     def __init__(self, quantizer: MaxNormQuantizer, selector: RandomCoordinateSelector | None = None,
-                 error_feedback: bool = True, seed: int = 0) -> None:
+                 error_feedback: bool = True, seed: int = 0, rotate: bool = False) -> None:
         self.quantizer = quantizer
         self.selector = selector
         self.memory = ErrorFeedback() if selector is not None and error_feedback else None
         self.seed = seed
+        self.rotation = HadamardRotation(seed) if check_bool("rotate", rotate) else None
         self.rank: int | None = None
         self._results: dict[Hashable, torch.Tensor] = {}  # with a selector: per key, the mean's buffer
         self.buffers = ResultBuffers()  # per key, without a selector: the decode's mean
@@ -246,7 +252,8 @@ class MaxNormCodec(ElementwiseCodec):
         """What every worker must share (part of the carrier tag)."""
         selector = self.selector
         selection = None if selector is None else (selector.k, selector.ratio, selector.seed)
-        return (self.quantizer.bits, self.quantizer.chunk_size, selection, self.memory is not None)
+        config = (self.quantizer.bits, self.quantizer.chunk_size, selection, self.memory is not None)
+        return config if self.rotation is None else (*config, "rotate")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
                  word_bits: int = INT64_WORD_BITS) -> Exchange:
@@ -305,6 +312,8 @@ class MaxNormCodec(ElementwiseCodec):
             residual = None if self.memory is None else self.memory.residual(key, flat)
             values, finite = gather(flat, indices, residual)  # the NaN/Inf flag covers all of flat
         groups = quantizer.scale_groups(values.numel(), segments)
+        if self.rotation is not None:
+            values = self.rotation.forward(values, groups, key, step)
 
         scale_stats = yield Op.MAX, quantizer.local_stats(values, groups, finite)
         nonfinite = quantizer.saw_nonfinite(scale_stats)
@@ -322,6 +331,8 @@ class MaxNormCodec(ElementwiseCodec):
         word_sums = yield Op.PAYLOAD, quantizer.encode(values, scale_stats, groups, agreed, world_size, word_bits, rng)
         mean = quantizer.decode(word_sums, scale_stats, groups, agreed, values.numel(), world_size, word_bits,
                                 self.buffers if indices is None else None, key)
+        if self.rotation is not None and not nonfinite:
+            mean = self.rotation.inverse_(mean, groups, key, step)
         if indices is not None:
             mean = scatter(mean, indices, self._result_buffer(key, flat), factor)  # factor: None with error feedback
         if nonfinite:

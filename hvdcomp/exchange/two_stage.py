@@ -27,6 +27,9 @@ with scale ``M``, stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` inde
 so the constant wire cost is paid in variance (up to ``W + 1`` times the lanes', less where the chunk
 means are smaller than ``M``: ``m < 1``).
 
+**Rotation** (``inner``'s ``rotate``): stage 1 quantizes the rotated values (``hvdcomp.codec.rotation``) and every
+worker rotates the gathered result back; the bound holds with the rotated ``M``. It takes no error feedback: the
+chunk owners' memories would hold one step's rotated values.
 **Error feedback** (``error_feedback=True``, both stages): each worker adds what its stage-1 rounding
 lost last time to its values before the shared scale (the memory of ``key``), and each chunk owner
 adds what its re-quantization lost (in value units) to its chunk's mean before choosing ``m`` (the
@@ -107,10 +110,18 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if exchange == "two_stage" and not self.supports_two_stage:
             raise ValueError("exchange='two_stage' needs a single-resolution max-norm codec without coordinate "
                              "selection (QSGDMaxNorm); use 'lanes' or 'auto' for the others")
+        if error_feedback and inner.rotation is not None:
+            raise ValueError("a rotated two-stage exchange keeps no error feedback: the chunk owners' memories would "
+                             "hold values rotated by a step's rotation; pass error_feedback=False or rotate=False")
         self.inner = inner
         self.mode = exchange
         self.memory = ErrorFeedback() if check_bool("error_feedback", error_feedback) else None
         self.workers_per_node = check_int("workers_per_node", workers_per_node, 1)
+
+    def config(self) -> tuple:
+        """What every worker must share: ``inner``'s configuration (bits, scale chunks, seed, rotation) and whether
+        both stages feed back their errors (the exchange mode is the doors' own setting)."""
+        return (*self.inner.config(), self.memory is not None)
 
     def bind_rank(self, rank: int) -> None:
         self.inner.bind_rank(rank)
@@ -142,6 +153,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         residual = None if self.memory is None else self.memory.residual(key, flat)
         values = flat if residual is None else flat + residual
         groups = quantizer.scale_groups(numel, layout)
+        if self.inner.rotation is not None:
+            values = self.inner.rotation.forward(values, groups, key, step)
         # the native kernels compute what the eager steps below compute, without their level-sized temporaries
         kernels = residual is None and numel > 0 and native.usable(flat)
 
@@ -180,7 +193,9 @@ class TwoStageMaxNorm(ElementwiseCodec):
             result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
             result = result.mul_(row_steps).reshape(-1)[:numel]
             result.mul_(quantizer.step_sizes(scale_stats, groups, numel)).mul_(s)
-        return result.fill_(float("nan")) if nonfinite else result
+        if nonfinite:
+            return result.fill_(float("nan"))
+        return result if self.inner.rotation is None else self.inner.rotation.inverse_(result, groups, key, step)
 
     def _requantize_natively(self, rows: torch.Tensor, chunk: int, width: int, world_size: int,
                              rounding: torch.Tensor) -> torch.Tensor:

@@ -121,11 +121,12 @@ class MaxNormCompressor(ElementwiseCodec):
     # -- checkpoints ---------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """The configuration a state must have been saved with: type, bits, chunk size, selector, error
-        feedback, scale mode."""
+        feedback, scale mode, and ``rotate`` where it is on."""
         quantizer, selector = self.max_norm.quantizer, self.max_norm.selector
-        return {"type": type(self).__name__, "bits": quantizer.bits, "chunk_size": quantizer.chunk_size,
-                "selector": None if selector is None else (selector.k, selector.ratio, selector.seed),
-                "error_feedback": self.max_norm.memory is not None, "scale": self.scale}
+        described = {"type": type(self).__name__, "bits": quantizer.bits, "chunk_size": quantizer.chunk_size,
+                     "selector": None if selector is None else (selector.k, selector.ratio, selector.seed),
+                     "error_feedback": self.max_norm.memory is not None, "scale": self.scale}
+        return described if self.max_norm.rotation is None else {**described, "rotate": True}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly, with what ``load_state_dict`` checks."""
@@ -195,13 +196,18 @@ class QSGDMaxNorm(MaxNormCompressor):
       ``"auto"`` need it.
 
     ``warmup_steps`` and ``min_compress_numel``: see ``MaxNormCompressor``.
+
+    ``rotate=True`` quantizes each tensor (or chunk) rotated by a randomized Hadamard transform that every worker
+    shares and rotates the decoded mean back (``hvdcomp.codec.rotation``): ``M`` is then the rotated maximum, about
+    ``|g| sqrt(2 ln n / n)`` for ``n`` elements whatever their outliers, and the bounds above hold with it. Off by
+    default (docs/rotation.md has the measurements).
     """
 
     def __init__(self, bits: int = 8, chunk_size: int | None = None, seed: int = 0,
                  process_set: ProcessSet | None = None, scale: str = "ahead", warmup_steps: int = 0,
-                 min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed), process_set, scale,
-                         warmup_steps, min_compress_numel)
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL, rotate: bool = False) -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer((bits,), chunk_size), seed=seed, rotate=rotate), process_set,
+                         scale, warmup_steps, min_compress_numel)
 
 
 class QSGDMaxNormMultiScale(MaxNormCompressor):
@@ -209,13 +215,13 @@ class QSGDMaxNormMultiScale(MaxNormCompressor):
 
     Per element, the finest resolution ``s_j`` with ``|g| / M * s_j <= s_1`` on *every* worker (agreed
     through a SUM of packed 0/1 lanes, counted in ``stats``). Unbiased; variance per element at most
-    ``(M / s_j)**2 / 4`` for the agreed ``j``.
+    ``(M / s_j)**2 / 4`` for the agreed ``j``. ``rotate``: as ``QSGDMaxNorm``'s.
     """
 
     def __init__(self, bits: Sequence[int] = (4, 8), chunk_size: int | None = None, seed: int = 0,
                  process_set: ProcessSet | None = None, warmup_steps: int = 0,
-                 min_compress_numel: int = MIN_COMPRESS_NUMEL) -> None:
-        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed), process_set,
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL, rotate: bool = False) -> None:
+        super().__init__(MaxNormCodec(MaxNormQuantizer(bits, chunk_size), seed=seed, rotate=rotate), process_set,
                          warmup_steps=warmup_steps, min_compress_numel=min_compress_numel)
 
 
