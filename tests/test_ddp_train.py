@@ -22,6 +22,17 @@ for argv in {runs!r}:
 """
 
 
+def train_under_torchrun(tmp_path: Path, runs: list[list[str]]) -> None:
+    """``train.main(run)`` for each of ``runs`` (argument lists) in one torchrun launch of 2 workers; fails with the
+    workers' output unless it exits 0."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(examples=str(EXAMPLES), runs=runs))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(driver)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+
+
 def _read(log: Path) -> tuple[dict, list[dict]]:
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert lines[0]["type"] == "config" and all(r["type"] == "epoch" for r in lines[1:])
@@ -38,12 +49,7 @@ def test_every_scheme_and_resume_under_torchrun(tmp_path):
     runs += [[*resume, "--run-name", "unbroken"],
              [*resume, "--run-name", "broken", "--checkpoint", checkpoint, "--stop-after-epoch", "1"],
              [*resume, "--run-name", "broken", "--resume", checkpoint]]
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(examples=str(EXAMPLES), runs=runs))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(driver)], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+    train_under_torchrun(tmp_path, runs)
 
     for scheme, (_, low, high) in SCHEMES.items():
         config, epochs = _read(tmp_path / f"{scheme}.jsonl")

@@ -1,13 +1,10 @@
 """examples/train.py --engine fsdp under torchrun: the element-wise schemes log sane JSON with the compression
 ratios of the DDP engine, in one torchrun launch (``tests/test_ddp_train.py``'s driver); what it refuses."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.test_ddp_train import DRIVER, EXAMPLES, _read
+from tests.test_ddp_train import _read, train_under_torchrun
 from tests.test_train_example import QUICK, SCHEMES, train
 
 FSDP_SCHEMES = ("none", "fp16", "qsgd", "qsgd-multiscale", "randk")
@@ -17,12 +14,7 @@ FSDP_SCHEMES = ("none", "fp16", "qsgd", "qsgd-multiscale", "randk")
 def test_element_wise_schemes_under_torchrun(tmp_path):
     logs = ["--log-dir", str(tmp_path), "--engine", "fsdp"]
     runs = [[*QUICK, *logs, "--scheme", scheme, *SCHEMES[scheme][0], "--run-name", scheme] for scheme in FSDP_SCHEMES]
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(examples=str(EXAMPLES), runs=runs))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(driver)], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+    train_under_torchrun(tmp_path, runs)
 
     for scheme in FSDP_SCHEMES:
         _, low, high = SCHEMES[scheme]
