@@ -86,8 +86,8 @@ class CodecCost:
     the lanes' encode and decode, and the two-stage exchange's planes, its owner's sum and re-quantization and its
     decode (native kernels, AMD EPYC: docs/benchmarks.md, "Codec cost of the exchanges")."""
 
-    lanes: float = 1.9e-9
-    two_stage: float = 4.8e-9
+    lanes: float = 2.4e-9
+    two_stage: float = 5.4e-9
 
     def seconds(self, scheme: str, numel: int) -> float:
         """The codec time of a flat ``scheme`` (``SCHEMES``; the reduce-scatter of lanes as two-stage) on ``numel``
