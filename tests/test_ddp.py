@@ -290,8 +290,6 @@ def _emulated_nodes() -> dict:
 def test_ddp_hook_hierarchical_on_two_emulated_nodes_of_two():
     results = run_ddp(_emulated_nodes, np=4, local_size=2)
     for out in results:
-        assert out["outputs"] == {"reused": True, "held_kept": True, "fresh_for_held": True, "sums": True,
-                                  "all_to_all_reused": True}, out["outputs"]
         assert out["none_vs_ddp"] <= 1e-6
         for name in ("qsgd", "powersgd"):
             params, (intra, inter), (flat_intra, flat_inter) = out[name]

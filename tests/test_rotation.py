@@ -271,7 +271,7 @@ def test_two_stage_rotates_and_refuses_error_feedback():
         assert all(torch.equal(results[0], r) for r in results)
         errors[name] = (results[0] - truth).square().mean()
     assert errors["rotated"] < errors["plain"] / 10
-    assert rotated[0].config() == ("rotate",) and plain[0].config() == ()
+    assert "rotate" in rotated[0].config() and "rotate" not in plain[0].config()
     with pytest.raises(ValueError, match="no error feedback"):
         TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)), rotate=True), "two_stage", error_feedback=True)
 
