@@ -49,9 +49,10 @@ test-fast: install
 lint: install
 	.venv/bin/ruff check .
 
-# The native kernels' tests against an AddressSanitizer + UndefinedBehaviorSanitizer build of them (its own cache
-# entry); libasan (and libstdc++, whose exceptions it intercepts) are preloaded: the interpreter is not built with it.
-SANITIZE_TESTS ?= tests/test_native.py tests/test_native_bounds.py
+# The native kernels' tests (and the two-stage and rotation tests that run them) against an AddressSanitizer +
+# UndefinedBehaviorSanitizer build of them (its own cache entry); libasan (and libstdc++, whose exceptions it
+# intercepts) are preloaded: the interpreter is not built with it.
+SANITIZE_TESTS ?= tests/test_native.py tests/test_native_bounds.py tests/test_two_stage.py tests/test_rotation.py
 sanitize: install
 	HVDCOMP_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
