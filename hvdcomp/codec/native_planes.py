@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .native import OUTPUTS_PER_BLOCK, _checked, _groups, _in_parallel, _Library, _stream, _whole_blocks
+from .native import OUTPUTS_PER_BLOCK, _checked, _groups, _in_parallel, _Library, _output, _stream, _whole_blocks
 from .packing import plane_bytes
 
 MAX_PLANE_WIDTH = 24  # native_kernels.cpp's kMaxPlaneWidth
@@ -87,16 +87,18 @@ def requantize_planes(sums: torch.Tensor, total: int, coarse: int, width: int, s
 
 
 def decode_planes(rows: torch.Tensor, header: int, width: int, chunk: int, numel: int, row_factors: torch.Tensor,
-                  groups: torch.Tensor, factors: torch.Tensor, coarse: int) -> torch.Tensor:
-    """float32 ``[numel]``: element ``r chunk + j`` is ``((v - coarse) row_factors[r]) factors[g] coarse`` for the
-    value ``v`` of ``j`` in the bit planes after ``header`` bytes of row ``r`` of contiguous uint8 ``[rows, bytes]``
-    ``rows`` (CPU; ``rows * chunk >= numel``), ``factors[g]`` = ``M / s`` of its group ``g``."""
+                  groups: torch.Tensor, factors: torch.Tensor, coarse: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[numel]`` (into ``out`` if given: contiguous, that size): element ``r chunk + j`` is
+    ``((v - coarse) row_factors[r]) factors[g] coarse`` for the value ``v`` of ``j`` in the bit planes after ``header``
+    bytes of row ``r`` of contiguous uint8 ``[rows, bytes]`` ``rows`` (CPU; ``rows * chunk >= numel``), ``factors[g]``
+    = ``M / s`` of its group ``g``."""
     count, size = _plane_rows("the gathered rows", rows, header, chunk, width)
     row_factors = _checked("the row factors", row_factors.contiguous(), torch.float32, count)
     if count * chunk < numel:
         raise ValueError(f"{count} rows of {chunk} values do not hold {numel}")
     ends, factors = _groups(groups, factors, numel)
-    out = torch.empty(numel, dtype=torch.float32)
+    out = _output(out, numel, torch.float32)
     lib = _Library.handle
 
     def run(lo: int, hi: int) -> None:

@@ -62,11 +62,11 @@ from .protocol import Exchange, Op
 _TINY = torch.finfo(torch.float32).tiny  # the smallest chunk scale divided by
 
 
-def stage_one_rows(world_size: int, chunk: int, width: int, device: torch.device) -> torch.Tensor:
-    """uint8 ``[W, row]``: the stage-one message with each row's header written (row ``j``: ``j`` as int32) and room
-    after it for ``width`` bit planes of ``chunk`` values."""
-    rows = torch.empty(world_size, TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width), dtype=torch.uint8, device=device)
-    indices = torch.arange(world_size, dtype=torch.int32, device=device)
+def stage_one_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (uint8 ``[W, row]``, the stage-one message) with each row's header written (row ``j``: ``j`` as
+    int32), the rest left for the bit planes; returns ``rows``."""
+    world_size = rows.shape[0]
+    indices = torch.arange(world_size, dtype=torch.int32, device=rows.device)
     rows[:, :TWO_STAGE_HEADER_BYTES] = indices.view(torch.uint8).view(world_size, -1)
     return rows
 
@@ -78,7 +78,8 @@ def stage_one_message(levels: torch.Tensor, quantizer: MaxNormQuantizer, world_s
     chunk = shard_length(levels.numel(), world_size)
     padded = torch.full((world_size * chunk,), s, dtype=torch.int32, device=levels.device)
     padded[: levels.numel()] += levels.to(torch.int32)
-    rows = stage_one_rows(world_size, chunk, width, levels.device)
+    rows = stage_one_rows(torch.empty(world_size, TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width),
+                                      dtype=torch.uint8, device=levels.device))
     rows[:, TWO_STAGE_HEADER_BYTES:] = pack_planes(padded.view(world_size, chunk), width)
     return rows
 
@@ -164,7 +165,10 @@ class TwoStageMaxNorm(ElementwiseCodec):
             warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         if kernels:
-            message = stage_one_rows(world_size, chunk, width, flat.device)
+            row = TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width)  # messages and result reused every step
+            buffers = self.inner.buffers
+            message = stage_one_rows(buffers.take((key, "stage one"), world_size * row, torch.uint8,
+                                                  flat.device).view(world_size, row))
             native_planes.encode_planes(values, groups, quantizer.group_units(scale_stats), s, width, rounding, chunk,
                                  message, TWO_STAGE_HEADER_BYTES)
         else:
@@ -178,7 +182,9 @@ class TwoStageMaxNorm(ElementwiseCodec):
         index = int(rows[0, :TWO_STAGE_HEADER_BYTES].view(torch.int32))  # 3. this worker's chunk, summed exactly
         owner_rounding = self.inner.rounding_stream((key, "owner"), step, flat.device)
         if kernels:
-            reply = self._requantize_natively(rows, chunk, width, world_size, owner_rounding)
+            reply = self._requantize_natively(rows, chunk, width, world_size, owner_rounding,
+                                              buffers.take((key, "stage two"), TWO_STAGE_HEADER_BYTES
+                                                           + plane_bytes(chunk, width), torch.uint8, flat.device))
         else:
             reply = self._requantize(rows, index, chunk, scale_stats, groups, numel, world_size, key,
                                      owner_rounding, nonfinite)
@@ -188,7 +194,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         row_steps = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32) / s
         if kernels:
             result = native_planes.decode_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk, numel,
-                                                 row_steps.reshape(-1), groups, quantizer.group_steps(scale_stats), s)
+                                                 row_steps.reshape(-1), groups, quantizer.group_steps(scale_stats), s,
+                                                 buffers.take(key, numel, torch.float32, flat.device))
         else:
             result = (unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk) - s).to(torch.float32)
             result = result.mul_(row_steps).reshape(-1)[:numel]
@@ -198,14 +205,14 @@ class TwoStageMaxNorm(ElementwiseCodec):
         return result if self.inner.rotation is None else self.inner.rotation.inverse_(result, groups, key, step)
 
     def _requantize_natively(self, rows: torch.Tensor, chunk: int, width: int, world_size: int,
-                             rounding: torch.Tensor) -> torch.Tensor:
-        """Step 3 by the kernels, without error feedback: the stage-two message of this worker's chunk."""
+                             rounding: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
+        """Step 3 by the kernels, without error feedback: the stage-two message of this worker's chunk, into
+        ``reply`` (uint8, header and planes)."""
         s = self.inner.quantizer.coarse_levels
         total = world_size * s
         sums = native_planes.sum_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk)
         low, high = torch.aminmax(sums)
         chunk_scale = torch.tensor([max(int(high) - total, total - int(low))], dtype=torch.float32).div_(total)
-        reply = torch.empty(TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width), dtype=torch.uint8)
         reply[:TWO_STAGE_HEADER_BYTES] = chunk_scale.view(torch.uint8)
         native_planes.requantize_planes(sums, total, s, width, max(float(chunk_scale), _TINY), rounding,
                                  reply[TWO_STAGE_HEADER_BYTES:])
