@@ -133,7 +133,7 @@ def _two_workers() -> dict:
     # bucket per tensor or so against one bucket for all, the same codec buckets)
     out["codecs"] = {}
     for name, compression in _compressions().items():
-        run = _Run(compression)
+        run = _Run(compression, bucket_size_mb=TINY_BUCKETS_MB)
         before = _loss(run.model, 99).item()
         params = run.train(range(4))
         one_bucket = _Run(_compressions()[name], bucket_cap_mb=25, bucket_size_mb=TINY_BUCKETS_MB)
@@ -346,3 +346,20 @@ def test_bucket_exchange_routes_both_codec_kinds():
                             for rank, (codec, g) in enumerate(zip(codecs, grads))], local_size=2)
         for result in results:
             assert all(torch.allclose(r, m, atol=1e-5) for r, m in zip(result, mean)), hierarchical
+
+
+
+
+@pytest.mark.parametrize("name, args, default_mb", [("FP16", (), 8.0), ("BF16", (), 8.0), ("QSGDMaxNorm", (4,), 8.0),
+                                                    ("QSGDMaxNormMultiScale", ((4, 8),), 25.0), (None, (), 25.0)])
+def test_default_codec_buckets_are_the_codecs_bucket_mb_else_ddps(name, args, default_mb):
+    """``hvdcomp.DistributedOptimizer``'s rule: the codec's ``bucket_mb`` where it has one, else DDP's 25 MiB;
+    ``bucket_size_mb`` wins."""
+    import hvdcomp
+    import hvdcomp.ddp
+
+    def make() -> object:
+        return None if name is None else getattr(hvdcomp, name)(*args)
+
+    assert hvdcomp.ddp.hook(make())[0]._bucket_size_mb == default_mb
+    assert hvdcomp.ddp.hook(make(), bucket_size_mb=3.0)[0]._bucket_size_mb == 3.0

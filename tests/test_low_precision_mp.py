@@ -162,7 +162,7 @@ def _ddp_worker():
         return model, state
 
     registered = DDP(_net(torch.float32), bucket_cap_mb=TINY_MB)
-    register_state = hvdcomp.ddp.register(registered, hvdcomp.QSGDMaxNorm(4))
+    register_state = hvdcomp.ddp.register(registered, hvdcomp.QSGDMaxNorm(4), bucket_size_mb=TINY_MB)
     step_registered = sgd_step(registered)
     hooked, hook_state = with_hook()
     step_hooked = sgd_step(hooked)

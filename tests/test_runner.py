@@ -6,7 +6,7 @@ import torch
 
 from hvdcomp.exchange import FP16, NoCompression, Op, Statistics, Transport
 from hvdcomp.exchange.plan import plan_buckets, signature
-from hvdcomp.exchange.runner import Runner
+from hvdcomp.exchange.runner import Runner, consecutive_span
 from hvdcomp.exchange.state import ConfigurationMismatchError, ExchangeState
 
 
@@ -15,6 +15,7 @@ class _LoggingTransport(Transport):
     says which started collectives ``poll`` reports complete (all when None)."""
 
     size, rank, local_size, local_rank, cross_size, cross_rank, equal_nodes = 2, 0, 2, 0, 1, 0, True
+    sums_float16 = sums_bfloat16 = True
 
     def __init__(self, log, blocking=False, done=None):
         self.log, self.blocking, self.done = log, blocking, done
@@ -113,6 +114,48 @@ def test_launch_writes_each_mean_back_in_the_gradients_shape_and_counts_the_byte
     assert torch.equal(first, torch.zeros(3)) and torch.equal(second, torch.ones(5))
     assert state.step == 1 and state.stats.last_step.uncompressed_bytes == 32
     assert [name for kind, name in log if kind == "start"] == ["t.agree", "t.bucket0.world0.sum"]
+
+
+@pytest.mark.parametrize("codec", [NoCompression(), FP16()], ids=["none", "fp16"])
+def test_scratch_gradients_in_one_buffer_are_exchanged_there_and_get_the_mean_in_place(codec):
+    state, params = _state(codec)
+    buffer = torch.arange(8, dtype=torch.float32)  # as DDP's bucket: b's gradient (3), then a's (5)
+    got = {}
+    transport = _LoggingTransport([])
+    codec.bind_transport(transport)
+    runner = Runner(transport, state.stats, "t", state)
+    runner.launch(state.plan[0], [buffer[:3], buffer[3:]], lambda bucket, means, keep: got.update(means=means),
+                  scratch=True)
+    runner.finish()
+    assert torch.equal(buffer, torch.arange(8, dtype=torch.float32))  # the mean of two equal workers
+    assert all(mean.data_ptr() == view.data_ptr() for mean, view in zip(got["means"], (buffer[:3], buffer[3:])))
+    assert not state.plan[0]._flat  # the bucket's own flat buffer was never needed
+
+
+@pytest.mark.parametrize("order, scratch", [((slice(5, 8), slice(0, 5)), True), ((slice(0, 3), slice(3, 8)), False)],
+                         ids=["out-of-order", "not-scratch"])
+def test_gradients_out_of_order_or_not_scratch_go_through_the_buckets_flat_buffer(order, scratch):
+    buffer = torch.arange(8, dtype=torch.float32)
+    grads = [buffer[part] for part in order]
+    state, _ = _state(NoCompression())
+    delivered = []
+    runner = Runner(_LoggingTransport([]), state.stats, "t", state)
+    runner.launch(state.plan[0], grads, lambda bucket, means, keep: delivered.extend(means), scratch=scratch)
+    runner.finish()
+    assert all(mean.data_ptr() != grad.data_ptr() for mean, grad in zip(delivered, grads))
+    assert [torch.equal(mean, grad) for mean, grad in zip(delivered, grads)] == [True, True]
+
+
+def test_consecutive_span_needs_one_buffer_in_order_of_one_dtype():
+    buffer = torch.zeros(10)
+    span = consecutive_span([buffer[2:4], buffer[4:9].view(5, 1)], torch.float32)
+    assert span.data_ptr() == buffer[2:].data_ptr() and span.shape == (7,)
+    assert consecutive_span([buffer[2:4], buffer[5:9]], torch.float32) is None  # a gap
+    assert consecutive_span([buffer[4:6], buffer[2:4]], torch.float32) is None  # out of order
+    assert consecutive_span([buffer[2:4], torch.zeros(3)], torch.float32) is None  # two buffers
+    assert consecutive_span([buffer[2:4], None], torch.float32) is None
+    assert consecutive_span([buffer[::2]], torch.float32) is None  # not contiguous
+    assert consecutive_span([buffer[2:4]], torch.float16) is None
 
 
 def test_agreement_names_every_setting_that_differs():

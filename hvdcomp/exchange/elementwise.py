@@ -43,9 +43,9 @@ class NoCompression(ElementwiseCodec):
         return torch.float64 if dtype == torch.float64 else torch.float32
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int) -> Exchange:
+                 world_size: int, out: torch.Tensor | None = None) -> Exchange:
         total = yield Op.SUM, flat
-        return total.div_(world_size)
+        return total.div_(world_size) if out is None else torch.div(total, world_size, out=out)
 
     @property
     def reuses_result(self) -> bool:
@@ -119,7 +119,9 @@ class HalfCodec(ElementwiseCodec):
         return buffers
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int) -> Exchange:
+                 world_size: int, out: torch.Tensor | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange``: the mean goes into ``out`` where given, unless rounding errors are
+        fed back (their update reads ``flat`` after the mean)."""
         buffers = self._buffers_for(key, flat.numel(), world_size, flat.device)
         half = buffers.send[:flat.numel()]
         residual = None if self.memory is None else self.memory.residual(key, flat)
@@ -130,7 +132,10 @@ class HalfCodec(ElementwiseCodec):
             received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
             sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sum)
             total = yield Op.ALLGATHER_EQUAL, buffers.chunk_sum
-        mean = self.results.take(key, flat.numel(), torch.float32, flat.device)
+        if out is not None and residual is None:
+            mean = out
+        else:
+            mean = self.results.take(key, flat.numel(), torch.float32, flat.device)
         finite = mean_from_half_sums(total[:flat.numel()], world_size, mean, check_finite=residual is not None)
         if residual is not None and finite:  # what rounding lost
             add_rounding_error(residual, flat, half)
@@ -256,10 +261,11 @@ class MaxNormCodec(ElementwiseCodec):
         return config if self.rotation is None else (*config, "rotate")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
-                 word_bits: int = INT64_WORD_BITS) -> Exchange:
-        """See ``ElementwiseCodec.exchange``; ``word_bits`` are the usable bits of a payload word
-        (fewer for float carriers). ``key`` also keys the error-feedback memory. If any worker's values
-        hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory is left unchanged.
+                 out: torch.Tensor | None = None, word_bits: int = INT64_WORD_BITS) -> Exchange:
+        """See ``ElementwiseCodec.exchange`` (``out`` is ignored: the decode writes whole blocks); ``word_bits``
+        are the usable bits of a payload word (fewer for float carriers). ``key`` also keys the error-feedback
+        memory. If any worker's values hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory is
+        left unchanged.
 
         With a selector, ``k`` (or ``ratio``) counts coordinates per tensor: tensor ``(key, i)`` of
         ``Segments.of(segments, key)`` sends its own set, chosen over the whole tensor, so that a shard
@@ -375,5 +381,5 @@ def simulate_max_norm(
         raise ValueError("one codec per worker")
     for rank, codec in enumerate(codecs):
         codec.bind_rank(rank)
-    return simulate([codec.exchange(grad, [grad.numel()], key, step, len(grads), word_bits)
+    return simulate([codec.exchange(grad, [grad.numel()], key, step, len(grads), word_bits=word_bits)
                      for codec, grad in zip(codecs, grads)])

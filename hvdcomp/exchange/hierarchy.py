@@ -111,17 +111,18 @@ def hierarchical_tensors(
 
 
 def bucket_exchange(codec: BucketCodec, flat: torch.Tensor, grads: Sequence[torch.Tensor], key: Hashable, step: int,
-                    topology: Topology, hierarchical: bool) -> Exchange:
+                    topology: Topology, hierarchical: bool, out: torch.Tensor | None = None) -> Exchange:
     """One bucket's exchange with ``codec``, hierarchical or over all ``topology.size`` workers.
 
     An ``ElementwiseCodec`` exchanges ``flat`` (float32, ``grads`` concatenated, filled by the caller;
     scratch when hierarchical) and returns the flat mean; a ``TensorCodec`` exchanges ``grads`` and returns
-    the list of means."""
+    the list of means. ``out``: where the flat mean should go if the codec can write it there (over all workers
+    only; ``ElementwiseCodec.exchange``)."""
     t = topology
     if isinstance(codec, ElementwiseCodec):
         sizes = [g.numel() for g in grads]
         if not hierarchical:
-            return codec.exchange(flat, sizes, key, step, t.size)
+            return codec.exchange(flat, sizes, key, step, t.size, out)
 
         def shard(x: torch.Tensor, segments: Sequence[int], shard_key: Hashable, size: int) -> Exchange:
             return codec.exchange(x, segments, shard_key, step, size)

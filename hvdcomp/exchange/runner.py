@@ -61,6 +61,21 @@ class _Flight:
     rounds: dict[Scope, int] = field(default_factory=dict)
 
 
+def consecutive_span(grads: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
+    """The ``[numel]`` view of the one buffer that holds ``grads`` one after another, contiguous and of ``dtype``
+    (as DDP's bucket holds its gradients); ``None`` if they do not lie so."""
+    if not grads or any(g is None for g in grads):
+        return None
+    first = grads[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for grad in grads:
+        if (grad.dtype != dtype or not grad.is_contiguous() or grad.untyped_storage().data_ptr() != storage
+                or grad.storage_offset() != offset):
+            return None
+        offset += grad.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,))
+
+
 def fill_flat(flat: torch.Tensor, grads: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> list[torch.Tensor]:
     """Copy ``grads`` (``None``: zeros) into ``flat``, one view per gradient, and return the views. A float64
     gradient copied into a float32 ``flat`` is clamped to float32's range first (never turned into Inf)."""
@@ -107,9 +122,13 @@ class Runner:
             self._open = True
 
     def launch(self, bucket: Bucket, grads: Sequence[torch.Tensor | None],
-               deliver: Callable[[Bucket, list[torch.Tensor], bool], None]) -> None:
+               deliver: Callable[[Bucket, list[torch.Tensor], bool], None], scratch: bool = False) -> None:
         """Start ``bucket``'s exchange of ``grads`` (one per tensor, ``None`` for zeros) with the state's codec of
-        this step; ``deliver(bucket, means, keep)`` receives its result (see the module docstring)."""
+        this step; ``deliver(bucket, means, keep)`` receives its result (see the module docstring). ``scratch``:
+        the door's gradients are its to overwrite until the result is delivered, so where they lie one after
+        another in one buffer of the codec's dtype (DDP's bucket), an element-wise codec exchanges that buffer
+        itself, without the copy into the bucket's flat buffer, and a codec that can writes the mean back there
+        (``ElementwiseCodec.exchange``'s ``out``)."""
         state = self.state
         if state is None:
             raise RuntimeError("Runner.launch needs the entry point's ExchangeState")
@@ -119,13 +138,19 @@ class Runner:
         started = time.perf_counter()
         codec = state.step_codec()
         self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
-        flat = None
+        flat = in_place = None
         if isinstance(codec, ElementwiseCodec):
-            flat = bucket.flat(codec.flat_dtype(bucket.dtype))
-            inputs: list[Any] = fill_flat(flat, grads, bucket.sizes)
+            flat_dtype = codec.flat_dtype(bucket.dtype)
+            flat = in_place = consecutive_span(grads, flat_dtype) if scratch else None
+            if flat is None:
+                flat = bucket.flat(flat_dtype)
+                inputs: list[Any] = fill_flat(flat, grads, bucket.sizes)
+            else:
+                inputs = list(flat.split(bucket.sizes))
         else:
             inputs = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
-        exchange = bucket_exchange(codec, flat, inputs, bucket.key, state.step, self.transport, self.hierarchical)
+        exchange = bucket_exchange(codec, flat, inputs, bucket.key, state.step, self.transport, self.hierarchical,
+                                   in_place)
         kept = flat is not None and not codec.reuses_result
 
         def write_back(result: Any) -> None:

@@ -11,11 +11,14 @@ bucket (without ``find_unused_parameters``), it then rebuilds them in the order 
 and a resumed process starts from one bucket again. Codec state keyed by DDP's buckets (error-feedback
 memories, PowerSGD's ``Q``s, the order in which rounding draws are taken) would neither survive the
 rebuild nor resume exactly. So the state plans its own *codec buckets* from the parameters alone
-(reverse model order, split by dtype and device, DDP's ``bucket_cap_mb`` each unless ``bucket_size_mb``
-says otherwise: ``hvdcomp.DistributedOptimizer``'s rule), and DDP's buckets only deliver gradients to them:
+(reverse model order, split by dtype and device, ``bucket_size_mb`` each, by default the codec's ``bucket_mb``
+where it has one, else DDP's ``bucket_cap_mb``: ``hvdcomp.DistributedOptimizer``'s rule), and DDP's buckets only
+deliver gradients to them:
 
 1. each DDP bucket's hook records its gradients (``bucket.parameters()`` / ``bucket.gradients()``), which
-   are also where the means must go;
+   are also where the means must go: DDP's bucket is the hook's until its future completes, so a codec bucket
+   whose gradients lie one after another in it is exchanged there, with no copy (``Runner.launch``'s
+   ``scratch``), and ``NoCompression``, ``FP16`` and ``BF16`` write the mean back into it in their last pass;
 2. codec buckets start their exchange in plan order once all their gradients are in (never before a
    bucket planned earlier), so codec state and random draws follow the plan, not DDP's layout;
 3. the one runner (``hvdcomp.exchange.runner``, ordering by call order) then advances the exchanges that
@@ -193,11 +196,14 @@ class CompressionState(ExchangeStateView):
             if self._ready[codec_bucket] < len(codec_bucket.params):
                 return
             self._next_launch += 1
-            self._runner.launch(codec_bucket, [self._destinations[p] for p in codec_bucket.params], self._write_back)
+            self._runner.launch(codec_bucket, [self._destinations[p] for p in codec_bucket.params], self._write_back,
+                                scratch=True)
 
     def _write_back(self, codec_bucket: Bucket, means: list[torch.Tensor], keep: bool) -> None:
         for p, mean in zip(codec_bucket.params, means):
-            self._destinations[p].copy_(mean)
+            destination = self._destinations[p]
+            if mean.data_ptr() != destination.data_ptr():  # else the mean is already there (summed in place)
+                destination.copy_(mean)
 
     def _finish_step(self) -> None:
         self._runner.finish()
@@ -236,10 +242,12 @@ compression_hook.__annotations__.update(bucket=dist.GradBucket, state=Compressio
 compression_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def _state(compression: Any, process_group: Any, hierarchical: bool | None, bucket_size_mb: float,
-           names: dict[Parameter, str] | None) -> CompressionState:
+def _state(compression: Any, process_group: Any, hierarchical: bool | None, bucket_size_mb: float | None,
+           ddp_bucket_mb: float, names: dict[Parameter, str] | None) -> CompressionState:
     """An unbound ``CompressionState`` for ``compression``; every argument checked, on every worker alike."""
     codec = resolve_codec(compression)
+    if bucket_size_mb is None:
+        bucket_size_mb = codec.bucket_mb or ddp_bucket_mb
     hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
     check_real("bucket_size_mb", bucket_size_mb, low_open=True)
     exchange_state = ExchangeState(codec, DOOR, {"hierarchical": hierarchical}, resolve_warmup(compression, None))
@@ -265,8 +273,9 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
         hierarchical: ``True``: full precision inside nodes, compressed between them (needs the default
             process group and equal nodes of consecutive ranks, as torchrun places them). ``None`` or
             ``False``: over all workers (see the module docstring for why that is the default).
-        bucket_size_mb: size of the codec buckets (default: the DDP model's ``bucket_cap_mb``); the codec's
-            state and results depend on it, not on DDP's buckets.
+        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb``, 8 for ``FP16``, ``BF16``
+            and ``QSGDMaxNorm``'s scale agreed ahead, else the DDP model's ``bucket_cap_mb``); the codec's state and
+            results depend on it, not on DDP's buckets.
 
     Returns:
         the ``CompressionState``: ``stats``, ``state_dict()``, ``load_state_dict()``.
@@ -274,11 +283,9 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")
-    if bucket_size_mb is None:
-        bucket_size_mb = ddp_model.bucket_bytes_cap / 2**20
     group = process_group if process_group is not None else ddp_model.process_group
     names = {p: name for name, p in ddp_model.named_parameters()}  # the model's order
-    state = _state(compression, group, hierarchical, bucket_size_mb, names)
+    state = _state(compression, group, hierarchical, bucket_size_mb, ddp_model.bucket_bytes_cap / 2**20, names)
     state.bind()
     ddp_model.register_comm_hook(state, compression_hook)
     return state
@@ -296,11 +303,10 @@ def hook(compression: Any, process_group: Any = None, hierarchical: bool | None 
         compression: as for ``register``.
         process_group: the workers to average over: the DDP model's (default: the default process group).
         hierarchical: as for ``register``.
-        bucket_size_mb: size of the codec buckets (default: 25, DDP's default ``bucket_cap_mb``, as ``register``
-            takes it from a DDP model built with the defaults).
+        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb`` where it has one, else 25,
+            DDP's default ``bucket_cap_mb``, as ``register`` takes it from a DDP model built with the defaults).
 
     Returns:
         the ``CompressionState`` (``stats``, ``state_dict()``, ``load_state_dict()``) and ``compression_hook``.
     """
-    bucket_size_mb = DDP_BUCKET_CAP_MB if bucket_size_mb is None else bucket_size_mb
-    return _state(compression, process_group, hierarchical, bucket_size_mb, None), compression_hook
+    return _state(compression, process_group, hierarchical, bucket_size_mb, DDP_BUCKET_CAP_MB, None), compression_hook
