@@ -168,17 +168,17 @@ class Transport(Topology, Protocol):
     start them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at the
     wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so codecs may
     ask for it (``FP16``); ``sums_bfloat16`` (default False) likewise for bfloat16 (torch.distributed; ``BF16``).
-    ``in_flight_bytes`` (default None: no limit): for a transport that pairs by name, the runner holds an exchange's
-    first collective while two or more exchanges are open (their first collective started, not finished) and their first
-    requests hold this many bytes; held ones start in launch order (``HorovodTransport``: 8 MiB). A transport never does
-    arithmetic of its own. Every transport moves float16 and bfloat16 tensors (all-to-all, all-gather). Transports
-    subclass this class, so the defaults below are theirs unless they say otherwise.
+    ``in_flight_limit`` (default None: no limit): for a transport that pairs by name, how many exchanges the runner
+    keeps open at once (their first collective started, not finished); the others' first collectives wait their turn, in
+    launch order (``HorovodTransport``: 2). A transport never does arithmetic of its own. Every transport moves float16
+    and bfloat16 tensors (all-to-all, all-gather). Transports subclass this class, so the defaults below are theirs
+    unless they say otherwise.
     """
 
     blocking: bool
     sums_float16: bool = False
     sums_bfloat16: bool = False
-    in_flight_bytes: int | None = None
+    in_flight_limit: int | None = None
 
     def forget_topology(self) -> None:
         """Read the topology anew at its next use (after the launcher re-initialised the workers: elastic

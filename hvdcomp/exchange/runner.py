@@ -60,7 +60,6 @@ class _Flight:
     handle: Any = None
     rounds: dict[Scope, int] = field(default_factory=dict)
     held: tuple[Op, torch.Tensor, str] | None = None  # its first request, until the transport's window has room
-    opened_bytes: int = 0  # its first request's bytes, once started
 
 
 def consecutive_span(grads: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
@@ -110,8 +109,8 @@ class Runner:
         self.state, self.hierarchical = state, hierarchical
         self._flights: list[_Flight] = []
         self._launched_since: list[_Flight] = []  # by call order: not advanced by the next progress()
-        self._window = None if transport.blocking else transport.in_flight_bytes
-        self._opened = self._opened_bytes = 0  # exchanges whose first collective started, not finished; its bytes
+        self._window = None if transport.blocking else transport.in_flight_limit
+        self._opened = 0  # exchanges whose first collective has started and that have not finished
         self._open = False
 
     @property
@@ -188,7 +187,6 @@ class Runner:
             traffic.decompress_s += time.perf_counter() - started
             if flight.rounds:
                 self._opened -= 1
-                self._opened_bytes -= flight.opened_bytes
                 self._release()
             return True
         queued = time.perf_counter()
@@ -204,31 +202,21 @@ class Runner:
         flight.rounds[op.scope] = count + 1
         name = f"{self.prefix}.{flight.key}.{op.scope.value}{count}.{op.name.lower()}"
         if first:
-            if self._window_full():
+            if self._window is not None and self._opened >= self._window:
                 flight.held = (op, tensor, name)
                 return
-            self._open_flight(flight, tensor)
+            self._opened += 1
         flight.handle = self.transport.start(op, tensor, name)
-
-    def _window_full(self) -> bool:
-        """Whether the transport's window holds the next first request: two exchanges or more are open and their
-        first requests reach ``in_flight_bytes``."""
-        return self._window is not None and self._opened >= 2 and self._opened_bytes >= self._window
-
-    def _open_flight(self, flight: _Flight, tensor: torch.Tensor) -> None:
-        flight.opened_bytes = tensor.numel() * tensor.element_size()
-        self._opened += 1
-        self._opened_bytes += flight.opened_bytes
 
     def _release(self) -> None:
         """Start held first requests, in launch order, while the transport's window has room."""
         for flight in self._flights:
-            if self._window_full():
+            if self._window is not None and self._opened >= self._window:
                 return
             if flight.held is not None:
                 op, tensor, name = flight.held
                 flight.held = None
-                self._open_flight(flight, tensor)
+                self._opened += 1
                 flight.handle = self.transport.start(op, tensor, name)
 
     def _advance(self, flight: _Flight) -> bool:
@@ -289,5 +277,5 @@ class Runner:
             flight.exchange.close()
         self._flights.clear()
         self._launched_since.clear()
-        self._opened = self._opened_bytes = 0
+        self._opened = 0
         self._open = False
