@@ -17,8 +17,8 @@ class _LoggingTransport(Transport):
     size, rank, local_size, local_rank, cross_size, cross_rank, equal_nodes = 2, 0, 2, 0, 1, 0, True
     sums_float16 = sums_bfloat16 = True
 
-    def __init__(self, log, blocking=False, done=None, window=None):
-        self.log, self.blocking, self.done, self.in_flight_limit = log, blocking, done, window
+    def __init__(self, log, blocking=False, done=None):
+        self.log, self.blocking, self.done = log, blocking, done
         self.seen = []  # MAX requests (the agreement)
 
     def start(self, op, tensor, name=None):
@@ -81,34 +81,6 @@ def test_by_name_progress_advances_what_completed_without_blocking():
     runner.progress()
     assert [entry for entry in log if entry[0] == "wait"] == [("wait", "t.x1.world0.sum")]
     assert log[-1] == ("start", "t.x1.world1.sum") and runner.in_flight
-
-
-def test_a_transports_window_holds_first_requests_until_an_open_exchange_finishes():
-    log = []
-    transport = _LoggingTransport(log, done=set(), window=2)  # nothing completes before it is waited for
-    runner = Runner(transport, Statistics(), "t")
-    results = {}
-    for index in range(4):
-        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda r, i=index: results.update({i: r}))
-    runner.progress()
-    assert [name for kind, name in log if kind == "start"] == ["t.x0.world0.sum", "t.x1.world0.sum"]
-    assert [index for kind, index in log if kind == "compute"] == [0, 1, 2, 3]  # encoded at launch, held to start
-    runner.finish()
-    starts = [name for kind, name in log if kind == "start"]
-    assert starts == ["t.x0.world0.sum", "t.x1.world0.sum", "t.x0.world1.sum", "t.x2.world0.sum", "t.x1.world1.sum",
-                      "t.x3.world0.sum", "t.x2.world1.sum", "t.x3.world1.sum"]  # a later round never waits its turn
-    for index in range(4):
-        first, second = results[index]
-        assert torch.equal(first, torch.full((3,), 2.0 * index)) and torch.equal(second, 2 * (first + 1))
-
-
-def test_a_window_holds_nothing_over_a_transport_that_pairs_by_call_order():
-    log = []
-    runner = Runner(_LoggingTransport(log, blocking=True, window=1), Statistics(), "t")
-    for index in range(3):
-        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda result: None)
-    assert [name for kind, name in log if kind == "start"] == [f"t.x{i}.world0.sum" for i in range(3)]
-    runner.finish()
 
 
 def test_by_call_order_progress_advances_older_exchanges_one_round_and_finish_runs_them_in_order():

@@ -160,25 +160,23 @@ def group_size(topology: Topology, scope: Scope) -> int:
 class Transport(Topology, Protocol):
     """Carries out the collectives that exchanges request (``hvdcomp.transport`` implements it).
 
-    ``start`` begins a collective and returns a handle; ``name`` must be the same on every worker when several are in
-    flight. ``poll`` says whether it has completed, ``wait`` returns its result (the reduced tensor, on the input's
-    device), and ``collective`` is ``wait(start(...))``. A transport reads the request's tensor and never writes it:
-    exchanges may use it again after the result. ``blocking`` is True when collectives pair by call order, not by name:
-    ``start`` completes the collective before returning (MPI) or queues it (torch.distributed); every worker must then
-    start them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at the
-    wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so codecs may
-    ask for it (``FP16``); ``sums_bfloat16`` (default False) likewise for bfloat16 (torch.distributed; ``BF16``).
-    ``in_flight_limit`` (default None: no limit): for a transport that pairs by name, how many exchanges the runner
-    keeps open at once (their first collective started, not finished); the others' first collectives wait their turn, in
-    launch order (``HorovodTransport``: 2). A transport never does arithmetic of its own. Every transport moves float16
-    and bfloat16 tensors (all-to-all, all-gather). Transports subclass this class, so the defaults below are theirs
-    unless they say otherwise.
+    ``start`` begins a collective and returns a handle; ``name`` must be the same on every worker
+    when several are in flight. ``poll`` says whether it has completed, ``wait`` returns its result
+    (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``. A transport
+    reads the request's tensor and never writes it: exchanges may use it again after the result.
+    ``blocking`` is True when collectives pair by call order, not by name: ``start`` completes the
+    collective before returning (MPI) or queues it (torch.distributed); every worker must then start
+    them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at
+    the wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so
+    codecs may ask for it (``FP16``); ``sums_bfloat16`` (default False) likewise for bfloat16 (torch.distributed;
+    ``BF16``). A transport never does arithmetic of its own. Every transport moves float16 and bfloat16 tensors
+    (all-to-all, all-gather). Transports subclass this class, so the defaults below are theirs unless they say
+    otherwise.
     """
 
     blocking: bool
     sums_float16: bool = False
     sums_bfloat16: bool = False
-    in_flight_limit: int | None = None
 
     def forget_topology(self) -> None:
         """Read the topology anew at its next use (after the launcher re-initialised the workers: elastic

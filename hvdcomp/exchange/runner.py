@@ -59,7 +59,6 @@ class _Flight:
     deliver: Deliver
     handle: Any = None
     rounds: dict[Scope, int] = field(default_factory=dict)
-    held: tuple[Op, torch.Tensor, str] | None = None  # its first request, until the transport's window has room
 
 
 def consecutive_span(grads: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
@@ -109,8 +108,6 @@ class Runner:
         self.state, self.hierarchical = state, hierarchical
         self._flights: list[_Flight] = []
         self._launched_since: list[_Flight] = []  # by call order: not advanced by the next progress()
-        self._window = None if transport.blocking else transport.in_flight_limit
-        self._opened = 0  # exchanges whose first collective has started and that have not finished
         self._open = False
 
     @property
@@ -185,9 +182,6 @@ class Runner:
         except StopIteration as done:
             flight.deliver(done.value)
             traffic.decompress_s += time.perf_counter() - started
-            if flight.rounds:
-                self._opened -= 1
-                self._release()
             return True
         queued = time.perf_counter()
         traffic.compress_s += queued - started
@@ -197,27 +191,10 @@ class Runner:
 
     def _start(self, flight: _Flight, op: Op, tensor: torch.Tensor) -> None:
         self.stats.last_step.count(op, tensor, self.transport)
-        first = not flight.rounds
         count = flight.rounds.get(op.scope, 0)
         flight.rounds[op.scope] = count + 1
         name = f"{self.prefix}.{flight.key}.{op.scope.value}{count}.{op.name.lower()}"
-        if first:
-            if self._window is not None and self._opened >= self._window:
-                flight.held = (op, tensor, name)
-                return
-            self._opened += 1
         flight.handle = self.transport.start(op, tensor, name)
-
-    def _release(self) -> None:
-        """Start held first requests, in launch order, while the transport's window has room."""
-        for flight in self._flights:
-            if self._window is not None and self._opened >= self._window:
-                return
-            if flight.held is not None:
-                op, tensor, name = flight.held
-                flight.held = None
-                self._opened += 1
-                flight.handle = self.transport.start(op, tensor, name)
 
     def _advance(self, flight: _Flight) -> bool:
         """Wait for the flight's collective and run it to its next request; True once it finished."""
@@ -238,7 +215,7 @@ class Runner:
         """Advance what may advance now (the module docstring)."""
         if not self.transport.blocking:
             for flight in list(self._flights):
-                while flight.held is None and self.transport.poll(flight.handle) and not self._advance(flight):
+                while self.transport.poll(flight.handle) and not self._advance(flight):
                     pass
             return
         older = [flight for flight in self._flights if flight not in self._launched_since]
@@ -261,9 +238,8 @@ class Runner:
         results are due before its step ends, as FSDP's reduce-scatter per module)."""
         if not self.transport.blocking:
             pending = sorted(self._flights, key=lambda f: f.order)
-            while pending:  # the first whose collective completed, else (blocking on it) the oldest started
-                started = [f for f in pending if f.held is None]
-                flight = next((f for f in started if self.transport.poll(f.handle)), started[0])
+            while pending:  # the first whose collective completed, else (blocking on it) the oldest
+                flight = next((f for f in pending if self.transport.poll(f.handle)), pending[0])
                 if self._advance(flight):
                     pending.remove(flight)
         else:
@@ -277,5 +253,4 @@ class Runner:
             flight.exchange.close()
         self._flights.clear()
         self._launched_since.clear()
-        self._opened = 0
         self._open = False

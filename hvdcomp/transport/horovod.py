@@ -145,9 +145,6 @@ class HorovodTransport(Transport):
 
     blocking = False  # asynchronous, matched across workers by name
     sums_float16 = HOROVOD_SUMS_FLOAT16
-    # Two buckets open at once: one on the wire, the next queued alone, so Horovod's background thread does not fuse
-    # (copy into its fusion buffer) buckets the runner already made (docs/benchmarks.md#horovods-fusion-and-our-buckets)
-    in_flight_limit = 2
 
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
         self.process_set = process_set if process_set is not None else hvd.global_process_set
