@@ -4,7 +4,7 @@ ordering by name and by call order, collective names, metering, write-back, agre
 import pytest
 import torch
 
-from hvdcomp.exchange import FP16, NoCompression, Op, Statistics, Transport
+from hvdcomp.exchange import FP16, ElementwiseCodec, NoCompression, Op, Statistics, Transport
 from hvdcomp.exchange.plan import plan_buckets, signature
 from hvdcomp.exchange.runner import Runner, consecutive_span
 from hvdcomp.exchange.state import ConfigurationMismatchError, ExchangeState
@@ -130,6 +130,31 @@ def test_scratch_gradients_in_one_buffer_are_exchanged_there_and_get_the_mean_in
     assert torch.equal(buffer, torch.arange(8, dtype=torch.float32))  # the mean of two equal workers
     assert all(mean.data_ptr() == view.data_ptr() for mean, view in zip(got["means"], (buffer[:3], buffer[3:])))
     assert not state.plan[0]._flat  # the bucket's own flat buffer was never needed
+
+
+class _Halves(ElementwiseCodec):
+    """A codec written as README's example is (``exchange`` without ``out``): the mean of the flat sums."""
+
+    def exchange(self, flat, segments, key, step, world_size):
+        total = yield Op.SUM, flat
+        return total / world_size
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_codec_without_out_runs_on_scratch_gradients_and_its_mean_is_delivered():
+    state, _ = _state(_Halves())
+    buffer = torch.arange(8, dtype=torch.float32)
+    delivered = []
+    runner = Runner(_LoggingTransport([]), state.stats, "t", state)
+    runner.launch(state.plan[0], [buffer[:3], buffer[3:]], lambda bucket, means, keep: delivered.extend(means),
+                  scratch=True)
+    runner.finish()
+    assert torch.equal(torch.cat(delivered), torch.arange(8, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("order, scratch", [((slice(5, 8), slice(0, 5)), True), ((slice(0, 3), slice(3, 8)), False)],

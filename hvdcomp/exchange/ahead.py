@@ -89,13 +89,11 @@ class AheadMaxNorm(ElementwiseCodec):
         return (*self.inner.config(), "ahead")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
-                 out: torch.Tensor | None = None, word_bits: int = INT64_WORD_BITS,
-                 carrier_bits: int | None = None) -> Exchange:
-        """See ``ElementwiseCodec.exchange`` (``out`` is ignored: the decode writes whole blocks); ``key`` keys the
-        agreed scale and the excess memory. ``word_bits``: the usable bits of the exact exchange's payload words.
-        ``carrier_bits``: with an agreed scale, the payload is words of that many bits for a float carrier
-        (``hvdcomp.codec.carrier``) with the statistics rows always in it, and no request follows it; default: int64
-        words, the rows as ``scale_rows`` says."""
+                 word_bits: int = INT64_WORD_BITS, carrier_bits: int | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory. ``word_bits``: the
+        usable bits of the exact exchange's payload words. ``carrier_bits``: with an agreed scale, the payload is
+        words of that many bits for a float carrier (``hvdcomp.codec.carrier``) with the statistics rows always in
+        it, and no request follows it; default: int64 words, the rows as ``scale_rows`` says."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
@@ -114,7 +112,7 @@ class AheadMaxNorm(ElementwiseCodec):
                     memory.keep_excess(key, None)  # this exchange sends it
                 return reduced
 
-            exact = self.inner.exchange(values, layout, key, step, world_size, word_bits=word_bits)
+            exact = self.inner.exchange(values, layout, key, step, world_size, word_bits)
             return (yield from relay(exact, lambda op, tensor: (op, tensor), seed))
 
         rotation = self.inner.rotation

@@ -115,6 +115,8 @@ class BucketCodec(ABC):
 class ElementwiseCodec(BucketCodec):
     """A codec over the bucket's flat float32 vector (see the module docstring)."""
 
+    takes_out: bool = False  # whether ``exchange`` takes ``out=`` (see ``exchange``)
+
     def flat_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the flat vector this codec exchanges for gradients of ``dtype``. Default float32: codecs
         compute in float32, and entry points clamp float64 gradients to float32's range (never to Inf)."""
@@ -122,14 +124,14 @@ class ElementwiseCodec(BucketCodec):
 
     @abstractmethod
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int, out: torch.Tensor | None = None) -> Exchange:
+                 world_size: int) -> Exchange:
         """Exchange this worker's ``flat`` (float32 ``[n]``, the bucket's tensors concatenated;
         ``segments`` their sizes, summing to ``n``: a list of whole tensors, or a ``Segments`` when
         ``flat`` is a shard). Returns float32 ``[n]``: the mean over the workers, valid until this codec's
         next exchange of ``key`` (a codec may reuse its buffer: ``MaxNormCodec`` with a selector; copy what you
-        keep longer). ``out``: where the caller wants the mean (``[n]`` of ``flat``'s dtype, the caller's, e.g.
-        ``flat`` itself once it is read); a codec that can write its mean there in its last pass does so and
-        returns ``out``, saving the caller a copy (``NoCompression``, ``FP16``, ``BF16``); others ignore it.
+        keep longer). A codec that declares ``takes_out`` also takes ``out=``: where the caller wants the mean
+        (``[n]`` of ``flat``'s dtype, the caller's, e.g. ``flat`` itself once it is read), and writes it there in its
+        last pass, saving the caller a copy (``NoCompression``, ``FP16``, ``BF16``).
 
         The call may check the configuration against ``segments`` (every worker alike, before any
         collective); ``flat``'s values are read only once the exchange runs (a hierarchical exchange

@@ -39,11 +39,14 @@ class NoCompression(ElementwiseCodec):
     """Plain all-reduce of the bucket (AllReduce-SGD): one ``Op.SUM`` of 32 bits per element, or 64 for float64
     gradients, which are summed in float64 as Horovod sums them."""
 
+    takes_out = True
+
     def flat_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float64 if dtype == torch.float64 else torch.float32
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int, out: torch.Tensor | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange``: the mean goes into ``out`` where given."""
         total = yield Op.SUM, flat
         return total.div_(world_size) if out is None else torch.div(total, world_size, out=out)
 
@@ -89,6 +92,7 @@ class HalfCodec(ElementwiseCodec):
     """
 
     half_dtype: torch.dtype
+    takes_out = True
     # Small buckets keep the first bucket's rounding and the last one's mean short, outside the wire's time
     # (docs/benchmarks.md).
     bucket_mb = 8.0
@@ -261,11 +265,10 @@ class MaxNormCodec(ElementwiseCodec):
         return config if self.rotation is None else (*config, "rotate")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
-                 out: torch.Tensor | None = None, word_bits: int = INT64_WORD_BITS) -> Exchange:
-        """See ``ElementwiseCodec.exchange`` (``out`` is ignored: the decode writes whole blocks); ``word_bits``
-        are the usable bits of a payload word (fewer for float carriers). ``key`` also keys the error-feedback
-        memory. If any worker's values hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory is
-        left unchanged.
+                 word_bits: int = INT64_WORD_BITS) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; ``word_bits`` are the usable bits of a payload word
+        (fewer for float carriers). ``key`` also keys the error-feedback memory. If any worker's values
+        hold NaN/Inf, every worker returns all-NaN (with a warning) and the memory is left unchanged.
 
         With a selector, ``k`` (or ``ratio``) counts coordinates per tensor: tensor ``(key, i)`` of
         ``Segments.of(segments, key)`` sends its own set, chosen over the whole tensor, so that a shard
@@ -381,5 +384,5 @@ def simulate_max_norm(
         raise ValueError("one codec per worker")
     for rank, codec in enumerate(codecs):
         codec.bind_rank(rank)
-    return simulate([codec.exchange(grad, [grad.numel()], key, step, len(grads), word_bits=word_bits)
+    return simulate([codec.exchange(grad, [grad.numel()], key, step, len(grads), word_bits)
                      for codec, grad in zip(codecs, grads)])

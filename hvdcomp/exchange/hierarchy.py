@@ -116,13 +116,15 @@ def bucket_exchange(codec: BucketCodec, flat: torch.Tensor, grads: Sequence[torc
 
     An ``ElementwiseCodec`` exchanges ``flat`` (float32, ``grads`` concatenated, filled by the caller;
     scratch when hierarchical) and returns the flat mean; a ``TensorCodec`` exchanges ``grads`` and returns
-    the list of means. ``out``: where the flat mean should go if the codec can write it there (over all workers
+    the list of means. ``out``: where the flat mean should go, for a codec that ``takes_out`` (over all workers
     only; ``ElementwiseCodec.exchange``)."""
     t = topology
     if isinstance(codec, ElementwiseCodec):
         sizes = [g.numel() for g in grads]
         if not hierarchical:
-            return codec.exchange(flat, sizes, key, step, t.size, out)
+            if out is not None and codec.takes_out:
+                return codec.exchange(flat, sizes, key, step, t.size, out=out)
+            return codec.exchange(flat, sizes, key, step, t.size)
 
         def shard(x: torch.Tensor, segments: Sequence[int], shard_key: Hashable, size: int) -> Exchange:
             return codec.exchange(x, segments, shard_key, step, size)

@@ -136,9 +136,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         return choose_exchange(numel, self.inner.quantizer.bits[0], world_size, self.workers_per_node)
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int, out: torch.Tensor | None = None) -> Exchange:
-        """See ``ElementwiseCodec.exchange`` (``out`` is ignored); every worker chooses alike (from sizes every
-        worker shares)."""
+                 world_size: int) -> Exchange:
+        """See ``ElementwiseCodec.exchange``; every worker chooses alike (from sizes every worker shares)."""
         if self.choose(flat.numel(), world_size) == "lanes":
             return self.inner.exchange(flat, segments, key, step, world_size)
         layout = Segments.of(segments, key)

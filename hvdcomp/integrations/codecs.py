@@ -96,9 +96,9 @@ class MaxNormCompressor(ElementwiseCodec):
         return self.inner.config()
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int, out: torch.Tensor | None = None) -> Exchange:
+                 world_size: int) -> Exchange:
         """``inner``'s exchange (see ``ElementwiseCodec.exchange``)."""
-        return self.inner.exchange(flat, segments, key, step, world_size, out)
+        return self.inner.exchange(flat, segments, key, step, world_size)
 
     # -- Horovod's stock optimizer ---------------------------------------------------------------------
     def stock(self) -> StockAdapter:
