@@ -286,6 +286,12 @@ def test_native_kernels_refuse_rows_too_small_for_their_planes():
         native_planes.encode_planes(x, groups, units, 3, 3, rng, 40, torch.zeros(2, 4 + 3 * 7, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match="do not hold"):
         native_planes.sum_planes(torch.zeros(2, 10, dtype=torch.uint8), 4, 3, 17)
+    with pytest.raises(ValueError, match="writes a contiguous"):  # an output of another size
+        native_planes.sum_planes(torch.zeros(2, 4 + 3 * 3, dtype=torch.uint8), 4, 3, 17,
+                                 torch.zeros(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="writes a contiguous"):
+        native_planes.decode_planes(torch.zeros(2, 4 + 3 * 7, dtype=torch.uint8), 4, 3, 50, 100, torch.ones(2), groups,
+                                    torch.tensor([1.0]), 3, torch.zeros(99))
     with pytest.raises(ValueError, match="plane"):
         native_planes.requantize_planes(torch.zeros(17, dtype=torch.int32), 6, 3, 3, 1.0, rng,
                                  torch.zeros(8, dtype=torch.uint8))

@@ -51,11 +51,13 @@ def encode_planes(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, 
     return out
 
 
-def sum_planes(rows: torch.Tensor, header: int, width: int, numel: int) -> torch.Tensor:
-    """int32 ``[numel]``: per value, the sum over the contiguous uint8 ``[rows, bytes]`` ``rows`` (CPU) of the value
-    their ``width`` bit planes after ``header`` bytes hold (``packing.unpack_planes(...).sum(0)``)."""
+def sum_planes(rows: torch.Tensor, header: int, width: int, numel: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[numel]`` (into ``out`` if given: contiguous, that size): per value, the sum over the contiguous uint8
+    ``[rows, bytes]`` ``rows`` (CPU) of the value their ``width`` bit planes after ``header`` bytes hold
+    (``packing.unpack_planes(...).sum(0)``)."""
     count, size = _plane_rows("the stage-one rows", rows, header, numel, width)
-    sums = torch.empty(numel, dtype=torch.int32)
+    sums = _output(out, numel, torch.int32)
     lib = _Library.handle
 
     def run(lo: int, hi: int) -> None:

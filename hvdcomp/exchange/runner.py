@@ -127,8 +127,8 @@ class Runner:
         this step; ``deliver(bucket, means, keep)`` receives its result (see the module docstring). ``scratch``:
         the door's gradients are its to overwrite until the result is delivered, so where they lie one after
         another in one buffer of the codec's dtype (DDP's bucket), an element-wise codec exchanges that buffer
-        itself, without the copy into the bucket's flat buffer, and a codec that can writes the mean back there
-        (``ElementwiseCodec.exchange``'s ``out``)."""
+        itself, without the copy into the bucket's flat buffer, and a codec that declares ``takes_out`` writes the mean
+        back there (``ElementwiseCodec.exchange``'s ``out``)."""
         state = self.state
         if state is None:
             raise RuntimeError("Runner.launch needs the entry point's ExchangeState")

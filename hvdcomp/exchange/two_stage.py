@@ -182,9 +182,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         index = int(rows[0, :TWO_STAGE_HEADER_BYTES].view(torch.int32))  # 3. this worker's chunk, summed exactly
         owner_rounding = self.inner.rounding_stream((key, "owner"), step, flat.device)
         if kernels:
-            reply = self._requantize_natively(rows, chunk, width, world_size, owner_rounding,
-                                              buffers.take((key, "stage two"), TWO_STAGE_HEADER_BYTES
-                                                           + plane_bytes(chunk, width), torch.uint8, flat.device))
+            reply = self._requantize_natively(rows, chunk, width, world_size, owner_rounding, key)
         else:
             reply = self._requantize(rows, index, chunk, scale_stats, groups, numel, world_size, key,
                                      owner_rounding, nonfinite)
@@ -205,12 +203,16 @@ class TwoStageMaxNorm(ElementwiseCodec):
         return result if self.inner.rotation is None else self.inner.rotation.inverse_(result, groups, key, step)
 
     def _requantize_natively(self, rows: torch.Tensor, chunk: int, width: int, world_size: int,
-                             rounding: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
-        """Step 3 by the kernels, without error feedback: the stage-two message of this worker's chunk, into
-        ``reply`` (uint8, header and planes)."""
+                             rounding: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """Step 3 by the kernels, without error feedback: the stage-two message of this worker's chunk (uint8, header
+        and planes), in ``key``'s reused buffers as the owner's sums are."""
         s = self.inner.quantizer.coarse_levels
         total = world_size * s
-        sums = native_planes.sum_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk)
+        buffers = self.inner.buffers
+        sums = native_planes.sum_planes(rows, TWO_STAGE_HEADER_BYTES, width, chunk,
+                                        buffers.take((key, "owner sums"), chunk, torch.int32, rows.device))
+        reply = buffers.take((key, "stage two"), TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width), torch.uint8,
+                             rows.device)
         low, high = torch.aminmax(sums)
         chunk_scale = torch.tensor([max(int(high) - total, total - int(low))], dtype=torch.float32).div_(total)
         reply[:TWO_STAGE_HEADER_BYTES] = chunk_scale.view(torch.uint8)
