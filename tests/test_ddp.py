@@ -185,7 +185,8 @@ def _two_workers() -> dict:
 def _named_outputs_reused():
     """Whether a named sum and all-to-all write into the same output again once nothing holds the last one (the
     transport holds its last 4 finished works: 4 other collectives in between), and a held result is never written
-    (a new output instead), with the sums right each time."""
+    (a new output instead), with the sums right each time; a SUM never writes its request's tensor, a SUM_IN_PLACE
+    sums in it."""
     from hvdcomp.exchange import Op
 
     transport = _torch_transport()
@@ -208,9 +209,13 @@ def _named_outputs_reused():
     for _ in range(2):
         parts.append(transport.wait(transport.start(Op.ALLTOALL, data, "bucket.parts")).data_ptr())
         others()
+    scratch = torch.arange(4.0) + rank
+    summed_there = transport.wait(transport.start(Op.SUM_IN_PLACE, scratch, "bucket.in_place"))
     return {"reused": again.data_ptr() == first_ptr, "held_kept": torch.equal(again, want),
             "fresh_for_held": held.data_ptr() != again.data_ptr() and torch.equal(held, 2 * want),
-            "sums": first_ok, "all_to_all_reused": parts[0] == parts[1]}
+            "sums": first_ok, "all_to_all_reused": parts[0] == parts[1],
+            "request_unwritten": torch.equal(data, torch.arange(4.0) + rank),
+            "summed_in_place": summed_there.data_ptr() == scratch.data_ptr() and torch.equal(scratch, want)}
 
 
 def _torch_transport():
@@ -237,7 +242,8 @@ def test_ddp_hook_on_two_gloo_workers():
     results = run_ddp(_two_workers, np=2)
     for out in results:
         assert out["outputs"] == {"reused": True, "held_kept": True, "fresh_for_held": True, "sums": True,
-                                  "all_to_all_reused": True}, out["outputs"]
+                                  "all_to_all_reused": True, "request_unwritten": True,
+                                  "summed_in_place": True}, out["outputs"]
         assert out["none_vs_ddp"] <= 1e-6
         steps, sent, uncompressed = out["none_stats"]
         assert steps == 3 and sent == uncompressed == 3 * 4 * out["numel"]  # fp32, once per synchronizing step

@@ -132,6 +132,27 @@ def test_scratch_gradients_in_one_buffer_are_exchanged_there_and_get_the_mean_in
     assert not state.plan[0]._flat  # the bucket's own flat buffer was never needed
 
 
+@pytest.mark.parametrize("codec, out_is_flat, want", [(NoCompression(), True, Op.SUM_IN_PLACE),
+                                                      (NoCompression(), False, Op.SUM),
+                                                      (FP16(), False, Op.SUM_IN_PLACE),
+                                                      (FP16(error_feedback=True), False, Op.SUM)],
+                         ids=["none-out-flat", "none", "fp16", "fp16-error-feedback"])
+def test_a_codec_gives_its_request_up_to_be_summed_in_place_only_when_it_is_scratch(codec, out_is_flat, want):
+    flat = torch.tensor([1.0, -2.0, 0.5])
+    codec.bind_transport(_LoggingTransport([]))
+    exchange = codec.exchange(flat, [3], "k", 0, 2, **({"out": flat} if out_is_flat else {}))
+    op, request = next(exchange)
+    assert op is want
+    if op.consumes_tensor:  # the transport sums there, as TorchDistributedTransport does
+        result = request.mul_(2)
+    else:
+        result = request * 2
+    with pytest.raises(StopIteration) as done:
+        exchange.send(result)
+    assert torch.equal(done.value.value, torch.tensor([1.0, -2.0, 0.5]))
+    assert (done.value.value.data_ptr() == flat.data_ptr()) == out_is_flat
+
+
 class _Halves(ElementwiseCodec):
     """A codec written as README's example is (``exchange`` without ``out``): the mean of the flat sums."""
 

@@ -46,8 +46,10 @@ class NoCompression(ElementwiseCodec):
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
                  world_size: int, out: torch.Tensor | None = None) -> Exchange:
-        """See ``ElementwiseCodec.exchange``: the mean goes into ``out`` where given."""
-        total = yield Op.SUM, flat
+        """See ``ElementwiseCodec.exchange``: the mean goes into ``out`` where given; where ``out`` is ``flat`` itself,
+        ``flat`` is summed in place (``Op.SUM_IN_PLACE``)."""
+        in_place = out is not None and out.data_ptr() == flat.data_ptr()
+        total = yield (Op.SUM_IN_PLACE if in_place else Op.SUM), flat
         return total.div_(world_size) if out is None else torch.div(total, world_size, out=out)
 
     @property
@@ -130,8 +132,8 @@ class HalfCodec(ElementwiseCodec):
         half = buffers.send[:flat.numel()]
         residual = None if self.memory is None else self.memory.residual(key, flat)
         round_to_half(flat, residual, out=half)
-        if self.sums_natively:
-            total = yield Op.SUM, buffers.send
+        if self.sums_natively:  # the send buffer is scratch once sent, but for the memory's update
+            total = yield (Op.SUM if residual is not None else Op.SUM_IN_PLACE), buffers.send
         else:
             received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
             sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sum)

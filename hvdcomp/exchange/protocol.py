@@ -14,8 +14,9 @@ workers, part ``j`` going to the group's ``j``-th worker, which receives the par
 concatenated by sender rank, in the shape it sent) over a scope of workers:
 
 - ``Scope.WORLD``: every worker of the exchange (``Op.SUM``, ``Op.MAX``, ``Op.ALLGATHER``,
-  ``Op.ALLGATHER_EQUAL``: one shape on every worker, ``Op.ALLTOALL``, and ``Op.PAYLOAD``: the ``SUM`` of the
-  packed words that carry the result, which a transport may move differently);
+  ``Op.ALLGATHER_EQUAL``: one shape on every worker, ``Op.ALLTOALL``, ``Op.PAYLOAD``: the ``SUM`` of the
+  packed words that carry the result, which a transport may move differently, and ``Op.SUM_IN_PLACE``: the ``SUM``
+  of a tensor the exchange gives up, into which the transport may write the sum);
 - ``Scope.NODE``: the workers of this node (``Op.LOCAL_SUM``, ``Op.LOCAL_MAX``, ``Op.LOCAL_ALLGATHER``);
 - ``Scope.CROSS``: the workers with this worker's local rank, one per node (``Op.CROSS_*``).
 
@@ -55,11 +56,14 @@ class Reduction(Enum):
 class Op(Enum):
     """A collective request: a reduction over a scope (see the module docstring), and what else the transport
     may rely on: ``PAYLOAD`` carries the result, ``*ALLGATHER_EQUAL`` gathers tensors of one shape on every
-    worker (so a transport may cut it into pieces without first learning the other workers' sizes)."""
+    worker (so a transport may cut it into pieces without first learning the other workers' sizes),
+    ``SUM_IN_PLACE``'s tensor is the exchange's scratch until the result arrives (a transport may sum in it and
+    return it, saving a copy of the tensor: docs/benchmarks.md#the-ddp-door-at-parity)."""
 
     SUM = (Scope.WORLD, Reduction.SUM, "")
     MAX = (Scope.WORLD, Reduction.MAX, "")
     PAYLOAD = (Scope.WORLD, Reduction.SUM, "payload")
+    SUM_IN_PLACE = (Scope.WORLD, Reduction.SUM, "in_place")
     ALLGATHER = (Scope.WORLD, Reduction.ALLGATHER, "")
     ALLGATHER_EQUAL = (Scope.WORLD, Reduction.ALLGATHER, "equal")
     ALLTOALL = (Scope.WORLD, Reduction.ALLTOALL, "")
@@ -84,6 +88,11 @@ class Op(Enum):
     def carries_payload(self) -> bool:
         """True for ``PAYLOAD``: the words that carry the exchange's result."""
         return self.value[2] == "payload"
+
+    @property
+    def consumes_tensor(self) -> bool:
+        """True for ``SUM_IN_PLACE``: the transport may write the result into the request's tensor."""
+        return self.value[2] == "in_place"
 
     @property
     def equal_shapes(self) -> bool:
@@ -163,7 +172,8 @@ class Transport(Topology, Protocol):
     ``start`` begins a collective and returns a handle; ``name`` must be the same on every worker
     when several are in flight. ``poll`` says whether it has completed, ``wait`` returns its result
     (the reduced tensor, on the input's device), and ``collective`` is ``wait(start(...))``. A transport
-    reads the request's tensor and never writes it: exchanges may use it again after the result.
+    reads the request's tensor and never writes it (exchanges may use it again after the result), but for an op
+    that ``consumes_tensor``, whose tensor it may reduce in place and return as the result.
     ``blocking`` is True when collectives pair by call order, not by name: ``start`` completes the
     collective before returning (MPI) or queues it (torch.distributed); every worker must then start
     them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at

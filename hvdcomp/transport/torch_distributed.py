@@ -19,7 +19,8 @@ dim 0 to member ``j`` (``all_to_all_single``; Gloo and NCCL). SUM and MAX reduce
 backend reduces (int64 lane sums, and float16 and bfloat16 at the wire's rate on Gloo and NCCL: ``sums_float16``,
 ``sums_bfloat16``).
 ALLGATHER concatenates along dim 0 by rank; dim 0 may differ across workers: the row counts travel first (one small
-blocking all-gather), then the tensors, padded to the longest. The request's tensor is never written.
+blocking all-gather), then the tensors, padded to the longest. The request's tensor is never written, but
+``Op.SUM_IN_PLACE``'s: summed in place (it is contiguous) and returned, as DDP's hooks sum their buffers.
 Implements ``hvdcomp.exchange.protocol.Transport``.
 """
 
@@ -142,9 +143,14 @@ class TorchDistributedTransport(Transport):
             result = self._output(name, send)
             return _Handle(dist.all_to_all_single(result, send, group=group, async_op=True), result)
         if op.reduction is not Reduction.ALLGATHER:
-            if group is None:
+            if op.consumes_tensor:
+                result = send
+            elif group is None:
                 return _Handle(None, send.clone())
-            result = self._output(name, send).copy_(send)
+            else:
+                result = self._output(name, send).copy_(send)
+            if group is None:
+                return _Handle(None, result)
             reduce_op = dist.ReduceOp.MAX if op.reduction is Reduction.MAX else dist.ReduceOp.SUM
             return _Handle(dist.all_reduce(result, op=reduce_op, group=group, async_op=True), result)
         rows_here = send.shape[0] if send.dim() else 1
