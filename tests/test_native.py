@@ -4,6 +4,7 @@ to eager with one warning."""
 
 import contextlib
 import ctypes
+import math
 import os
 import platform
 import subprocess
@@ -17,10 +18,12 @@ import torch
 
 from hvdcomp.codec import fused, native, recycle
 from hvdcomp.codec.onebit import (
+    apply_updates,
     binarize_counts,
     count_bit_rows,
     draw_bits,
     draw_lane_words,
+    gather_checked,
     mean_from_counts,
     mean_from_lane_counts,
     mean_from_lane_sums,
@@ -419,3 +422,72 @@ def test_without_torchs_reference_count_nothing_is_reused(monkeypatch):
     pointer = first.data_ptr()
     del first  # the buffers still hold it while they allocate the next: a new one has another address
     assert buffers.take("k", 10, torch.float32, torch.device("cpu")).data_ptr() != pointer
+
+
+def _gradients(generator):
+    """Birder's gradients of every kind: float32 (one of them past a tile of 4096), float64, bfloat16,
+    non-contiguous, empty, and None; and their offsets in the flat buffer."""
+    sources = [torch.randn(4099, generator=generator), torch.randn(33, generator=generator).double(), None,
+               torch.randn(70_001, generator=generator), torch.randn(8, 6, generator=generator).t(),
+               torch.randn(191, generator=generator).bfloat16(), torch.zeros(0), torch.randn(1, generator=generator)]
+    sizes = [0 if s is None else s.numel() for s in sources]
+    sizes[2] = 65
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return sources, offsets, sum(sizes)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-active", "masked"])
+def test_gather_checked_equals_eager_and_finds_non_finite_and_fresh_gradients(masked):
+    generator = torch.Generator().manual_seed(3)
+    sources, offsets, numel = _gradients(generator)
+    active = (torch.rand(numel, generator=generator) < 0.5) if masked else None
+
+    def both(sources, active):
+        results = []
+        for path in ("native", "eager"):
+            flat = torch.full((numel,), 7.0)  # garbage where a gradient is None
+            with fused.eager() if path == "eager" else contextlib.nullcontext():
+                results.append((gather_checked(sources, offsets, flat, active), flat))
+        (checks, flat), (eager_checks, eager_flat) = results
+        assert checks == eager_checks and torch.equal(flat.view(torch.int32), eager_flat.view(torch.int32))
+        return checks, flat
+
+    checks, flat = both(sources, active)
+    assert checks == (True, masked)
+    assert torch.equal(flat[offsets[2]:offsets[3]], torch.zeros(65))
+    assert torch.equal(flat[offsets[3]:offsets[4]], sources[3]) and torch.equal(flat[offsets[4]:offsets[5]],
+                                                                                 sources[4].reshape(-1))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        spoiled = [s.clone() if s is not None else None for s in sources]
+        spoiled[3][4500] = bad  # in the second tile of a float32 gradient
+        assert both(spoiled, active)[0][0] is False
+    assert both(sources, torch.ones(numel, dtype=torch.bool))[0] == (True, False)
+    quiet = torch.ones(numel, dtype=torch.bool)
+    quiet[offsets[3] + 70_000] = False  # the last element of the long gradient, non-zero: fresh
+    assert both(sources, quiet)[0] == (True, True)
+
+
+def test_apply_updates_equals_eager_and_tells_autograd():
+    generator = torch.Generator().manual_seed(4)
+    shapes = [(4099,), (3, 11), (70_001,), (1,), (0,)]
+    mean = torch.randint(-2, 3, (sum(math.prod(s) for s in shapes) + 5,), generator=generator).float() / 2
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    keeps, steps = [1 - 0.004 * 0.1, 1.0, 1 - 0.1 * 0.3, 0.5, 1.0], [-0.004, -0.01, -0.1, -1e-3, -0.2]
+    start = [torch.randn(s, generator=generator) for s in shapes]
+    start.append(torch.randn(7, generator=generator).double())  # not float32, and not contiguous:
+    start.append(torch.randn(4, 5, generator=generator).t().contiguous().t())  # the eager path in both runs
+    offsets += [3, 10]
+    keeps += [0.9, 0.99]
+    steps += [-0.5, -0.25]
+    results = []
+    for path in ("native", "eager"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        versions = [p._version for p in params]
+        with fused.eager() if path == "eager" else contextlib.nullcontext():
+            apply_updates(params, offsets, keeps, steps, mean)
+        assert all(p._version > v for p, v in zip(params, versions) if p.numel())
+        results.append(params)
+    for native_param, eager_param, p, offset, keep, step in zip(*results, start, offsets, keeps, steps):
+        assert torch.equal(native_param, eager_param)
+        want = p * keep + (mean[offset:offset + p.numel()].view_as(p) * step).to(p.dtype)
+        assert torch.equal(native_param.detach(), want)

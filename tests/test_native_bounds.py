@@ -97,6 +97,25 @@ CASES = {
         m = torch.randn(2, 1 << 14)[:, 0]
         attempt('c', lambda: native.draw_bit_words(m, m.abs(), rng, 4, 15, 0))
     """,
+    "gather_checked_short_gradient": """
+        attempt('c', lambda: onebit.gather_checked([torch.zeros(10), torch.zeros(5)], [0, 100], torch.zeros(1 << 16)))
+    """,
+    "apply_updates_past_the_mean": """
+        p = torch.zeros(1 << 16)
+        attempt('c', lambda: onebit.apply_updates([p], [100], [1.0], [-0.1], torch.zeros(1 << 16)))
+    """,
+    "kernel_refuses_gradient_past_the_flat_buffer": """
+        flat, flags = torch.zeros(16), torch.zeros(2, dtype=torch.int64)
+        spans = [torch.tensor(values, dtype=torch.int64) for values in ([flat.data_ptr()], [16], [8])]
+        attempt('c', lambda: native.library().hvdcomp_gather_checked(*(t.data_ptr() for t in spans), 1,
+                                                                     flat.data_ptr(), 16, None, flags.data_ptr()))
+    """,
+    "kernel_refuses_parameter_past_the_mean": """
+        p, mean, factors = torch.zeros(16), torch.zeros(16), torch.ones(1)
+        spans = [torch.tensor(values, dtype=torch.int64) for values in ([p.data_ptr()], [16], [1])]
+        attempt('c', lambda: native.library().hvdcomp_birder_update(*(t.data_ptr() for t in spans), factors.data_ptr(),
+                                                                    factors.data_ptr(), 1, mean.data_ptr(), 16))
+    """,
     "kernel_refuses_short_rows": """
         packed, out = torch.zeros(2, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
         attempt('c', lambda: native.library().hvdcomp_unpack_bits(packed.data_ptr(), 1, 2, 1 << 20, out.data_ptr()))

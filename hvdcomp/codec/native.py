@@ -4,8 +4,9 @@ QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and
 and Birder's moments update and draw (into lane words or bools), its mean from +1 counts, and its re-binarization
 and bit packing, unpacking and counting for the two-stage and hierarchical routes, each run as one pass over
 the bucket, a few thousand values at a time through stack buffers, with QSGD's per-element scale factor read from
-per-group factors (no gradient-sized buffer besides the result). They compute exactly what the eager reference computes
-(``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
+per-group factors (no gradient-sized buffer besides the result); Birder's per-parameter passes are in
+``native_birder``, the two-stage exchange's bit planes in ``native_planes``. They compute exactly what the eager
+reference computes (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
 
 **Sizes.** Every wrapper below checks the device, dtype, contiguity and size of each tensor it hands the kernels
 (O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; each kernel also refuses sizes that cannot
@@ -81,6 +82,13 @@ def usable(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     and the library built."""
     return (x.device.type == "cpu" and x.dtype == dtype and x.is_contiguous() and fused.enabled()
             and os.environ.get(ENV_SWITCH, "1") != "0" and library() is not None)
+
+
+def usable_each(tensors: Sequence[torch.Tensor | None], dtype: torch.dtype = torch.float32) -> list[bool]:
+    """``usable`` of each of ``tensors`` (None: False), the switches read once."""
+    if not tensors or not usable(torch.empty(0, dtype=dtype)):
+        return [False] * len(tensors)
+    return [t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors]
 
 
 def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int) -> None:

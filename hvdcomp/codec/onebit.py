@@ -9,12 +9,14 @@ Draws are counter-based (``hvdcomp.codec.random``): element ``i`` of a draw from
 is a pure function of (seed, purpose, rank, step, element): the same bits eagerly or fused, on CPU or GPU, in
 any order and any chunking, after any resume.
 
-The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks``,
+The per-element passes of a Birder step run as fused kernels (``hvdcomp.codec.fused``): ``gradient_checks`` (on
+the CPU in the pass that gathers the gradients into the flat buffer: ``gather_checked``),
 ``update_moments`` (both moments in one pass, in place), ``draw_lane_words`` / ``draw_bits`` (the draw from
 ``m`` and ``b``, and the lane packing, in one pass; on the CPU ``draw_lane_words`` updates the moments in that
 pass too, and so does ``draw_bits``), ``binarize``, ``mean_from_lane_sums`` (unpack and mean) and
 ``zero_inactive``; on the CPU ``pack_bit_rows``, ``unpack_bit_rows`` and ``count_bit_rows`` (the bytes of the
-two-stage and hierarchical exchanges) run natively too.
+two-stage and hierarchical exchanges) run natively too, and so does ``apply_updates`` (decay and step in one pass
+over each parameter).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import native
+from . import native, native_birder
 from .fused import FusedKernel
 from .packing import (
     LaneLayout,
@@ -93,6 +95,61 @@ def gradient_checks(grad: torch.Tensor, active: torch.Tensor | None = None) -> t
         return bool(_all_finite(grad)), False
     finite, fresh = _checks_with_mask(grad, active)
     return bool(finite), bool(fresh)
+
+
+def gather_checked(sources: Sequence[torch.Tensor | None], offsets: Sequence[int], flat: torch.Tensor,
+                   active: torch.Tensor | None = None) -> tuple[bool, bool]:
+    """``flat`` (float32 ``[n]``) <- each of ``sources`` (a gradient of any floating dtype, flattened; None: zeros)
+    at its offset, ``offsets`` laying them one after another over all of ``flat``; returns ``gradient_checks(flat,
+    active)``. On the CPU the float32 ones are copied and checked in one pass."""
+    ends = [*offsets[1:], flat.numel()]
+    direct = native.usable(flat) and (active is None or native.usable(active, torch.bool))
+    as_they_are = native.usable_each(sources) if direct else [False] * len(sources)
+    spans = []
+    for source, offset, end, fits in zip(sources, offsets, ends, as_they_are):
+        part = flat[offset:end]
+        if source is not None and source.numel() != part.numel():
+            raise ValueError(f"a gradient of {source.numel()} elements for a span of {part.numel()}")
+        if fits:
+            spans.append(source.reshape(-1))
+            continue
+        if source is None:
+            part.zero_()
+        else:
+            part.copy_(source.reshape(-1))
+        spans.append(part)
+    if direct:
+        return native_birder.gather_checked(spans, offsets, flat, active)
+    return gradient_checks(flat, active)
+
+
+def _apply_update_eager(p: torch.Tensor, mean: torch.Tensor, keep: float, step: float) -> None:
+    """``p <- p keep + step mean`` with explicit roundings (both products, then their sum), as the native kernel."""
+    if keep != 1.0:  # p * 1 is p: the same bits
+        p.mul_(keep)
+    p.add_(mean.view_as(p).mul(step).to(p.dtype))
+
+
+def apply_updates(params: Sequence[torch.Tensor], offsets: Sequence[int], keeps: Sequence[float],
+                  steps: Sequence[float], mean: torch.Tensor) -> None:
+    """In place, each parameter ``p`` of ``params`` <- ``p keep + step mean[offset: offset + p.numel()]`` (its
+    ``keeps``, ``steps``, ``offsets``; ``mean`` float32 ``[n]``): Birder's ``x <- x (1 - lr lambda) - lr u_bar``. The
+    float32 ones on the CPU in one native pass each (autograd learns they changed, as from an in-place op); no
+    autograd history either way."""
+    for p, offset in zip(params, offsets):
+        if offset < 0 or offset + p.numel() > mean.numel():
+            raise ValueError(f"a parameter of {p.numel()} elements at {offset} is not within the mean's {mean.numel()}")
+    direct = native.usable_each(params) if native.usable(mean) else [False] * len(params)
+    if any(direct):
+        chosen = [i for i, fits in enumerate(direct) if fits]
+        updated = [params[i] for i in chosen]
+        native_birder.birder_update(updated, [offsets[i] for i in chosen], [keeps[i] for i in chosen],
+                                    [steps[i] for i in chosen], mean)
+        torch.autograd.graph.increment_version(updated)
+    with torch.no_grad():
+        for p, offset, keep, step, fits in zip(params, offsets, keeps, steps, direct):
+            if not fits:
+                _apply_update_eager(p, mean[offset:offset + p.numel()], keep, step)
 
 
 def _zero_inactive_eager(values: torch.Tensor, active: torch.Tensor) -> None:

@@ -69,7 +69,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import gradient_checks, zero_inactive
+from ..codec.onebit import apply_updates, zero_inactive
 from ..codec.packing import INT64_WORD_BITS, LaneLayout, lane_block_values
 from ..codec.random import stream_words
 from ..codec.validate import check_real
@@ -284,9 +284,7 @@ class Birder(torch.optim.Optimizer):
             self._step, _ = yield from agreement("Birder", self._described(layout), self._step, self._resynced)
             self._agreed, self._resynced = True, False
         grad = self._grad
-        has_grad = layout.gather_grads(grad)
-
-        finite, fresh_here = gradient_checks(grad, None if self._all_active else self._active)
+        has_grad, finite, fresh_here = layout.gather_grads(grad, None if self._all_active else self._active)
         flags = torch.tensor([float(not finite), float(finite and fresh_here), numel, -numel, *has_grad],
                              dtype=torch.float64)
         flags = yield from counted(single(Op.MAX, flags), traffic, topo, control=True)
@@ -350,14 +348,14 @@ class Birder(torch.optim.Optimizer):
         if last > first and not self._all_active:
             lo, hi = layout.offsets[first], layout.end(last - 1)
             zero_inactive(mean[lo:hi], self._active[lo:hi])
-        with torch.no_grad():
-            for group, indices in zip(self.param_groups, layout.group_indices):
-                lr, decay = group["lr"], group["weight_decay"]
-                for i in (i for i in range(max(first, indices.start), min(last, indices.stop)) if updated[i]):
-                    p, offset = layout.params[i], layout.offsets[i]
-                    if decay:
-                        p.mul_(1 - lr * decay)
-                    p.add_(mean[offset:offset + p.numel()].view_as(p).to(p.dtype), alpha=-lr)
+        chosen, keeps, steps = [], [], []
+        for group, indices in zip(self.param_groups, layout.group_indices):
+            lr, decay = group["lr"], group["weight_decay"]
+            picked = [i for i in range(max(first, indices.start), min(last, indices.stop)) if updated[i]]
+            chosen += picked
+            keeps += [1 - lr * decay] * len(picked)
+            steps += [-lr] * len(picked)
+        apply_updates([layout.params[i] for i in chosen], [layout.offsets[i] for i in chosen], keeps, steps, mean)
         return last
 
     # -- checkpoints --------------------------------------------------------------------------

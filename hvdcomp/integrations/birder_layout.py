@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..codec.onebit import MomentRuns
+from ..codec.onebit import MomentRuns, gather_checked
 
 
 def layout_key(param_groups: list[dict[str, Any]]) -> tuple:
@@ -66,18 +66,12 @@ class FlatLayout:
             first += 1
         return first
 
-    def gather_grads(self, flat: torch.Tensor) -> list[float]:
-        """``flat`` (float32 ``[numel]``) <- the gradients (zero for a parameter without one); per parameter, 1.0
-        if it has one."""
-        has_grad = []
-        for i, p in enumerate(self.params):
-            part = flat[self.offsets[i]:self.end(i)]
-            grad = p.grad if p.requires_grad else None
-            has_grad.append(float(grad is not None))
-            if grad is None:
-                part.zero_()
-                continue
-            if grad.is_sparse or grad.layout != torch.strided:
+    def gather_grads(self, flat: torch.Tensor, active: torch.Tensor | None) -> tuple[list[float], bool, bool]:
+        """``flat`` (float32 ``[numel]``) <- the gradients (zero for a parameter without one); returns per parameter
+        1.0 if it has one, and ``onebit.gradient_checks(flat, active)`` (taken in the copy's pass)."""
+        grads = [p.grad if p.requires_grad else None for p in self.params]
+        for grad in grads:
+            if grad is not None and (grad.is_sparse or grad.layout != torch.strided):
                 raise TypeError("Birder does not support sparse gradients")
-            part.copy_(grad.detach().reshape(-1))
-        return has_grad
+        finite, fresh = gather_checked([None if g is None else g.detach() for g in grads], self.offsets, flat, active)
+        return [float(g is not None) for g in grads], finite, fresh
