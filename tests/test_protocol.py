@@ -9,7 +9,7 @@ from hvdcomp.codec.selection import RandomCoordinateSelector
 from hvdcomp.exchange.bucket import Segments
 from hvdcomp.exchange.elementwise import FP16, MaxNormCodec, simulate_max_norm
 from hvdcomp.exchange.hierarchy import hierarchical_elementwise
-from hvdcomp.exchange.protocol import Op, Transport, relay
+from hvdcomp.exchange.protocol import Op, Transport, relay, single
 from hvdcomp.exchange.simulator import simulate
 
 TILES = 8000  # draws per element: 16 elements x 8000 tiles = 128k draws per scheme
@@ -431,3 +431,14 @@ def test_simulate_group_collectives():
     assert results[3] == (5.0, 4.0, [1.0, 3.0], [2.0, 3.0], 3.0)
     with pytest.raises(ValueError):
         simulate([worker(r) for r in range(3)], local_size=2)
+
+
+def test_simulate_sums_in_the_tensor_an_exchange_gives_up_and_never_writes_another():
+    given = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    results = simulate([single(Op.SUM_IN_PLACE, t) for t in given])
+    assert [r.data_ptr() for r in results] == [t.data_ptr() for t in given]
+    assert all(torch.equal(t, torch.tensor([4.0, 6.0])) for t in given)
+    kept = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    results = simulate([single(Op.SUM, t) for t in kept])
+    assert all(torch.equal(r, torch.tensor([4.0, 6.0])) and r.data_ptr() != t.data_ptr() for r, t in zip(results, kept))
+    assert torch.equal(kept[0], torch.tensor([1.0, 2.0])) and torch.equal(kept[1], torch.tensor([3.0, 4.0]))

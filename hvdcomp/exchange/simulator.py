@@ -1,4 +1,5 @@
-"""The one-process simulator: W workers' exchanges driven in lockstep, bit-exactly like real collectives.
+"""The one-process simulator: W workers' exchanges driven in lockstep, bit-exactly like real collectives, and
+writing the result of an op that consumes its tensor (``Op.SUM_IN_PLACE``) into that tensor.
 
 Used by tests and benchmarks. Workers are laid out node by node (see ``protocol.Placement``).
 """
@@ -71,4 +72,6 @@ def simulate(exchanges: Sequence[Exchange], local_size: int | None = None) -> li
         for members in groups.values():
             results = _reduce(op, [requests[rank][1] for rank in members])
             reduced.update(zip(members, results))
-        requests = [advance(exchange, reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]
+        # an op that consumes its tensor gets the result there, as TorchDistributedTransport sums in place
+        requests = [advance(exchange, requests[rank][1].copy_(reduced[rank]) if op.consumes_tensor
+                            else reduced[rank].clone()) for rank, exchange in enumerate(exchanges)]
