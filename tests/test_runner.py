@@ -17,8 +17,8 @@ class _LoggingTransport(Transport):
     size, rank, local_size, local_rank, cross_size, cross_rank, equal_nodes = 2, 0, 2, 0, 1, 0, True
     sums_float16 = sums_bfloat16 = True
 
-    def __init__(self, log, blocking=False, done=None):
-        self.log, self.blocking, self.done = log, blocking, done
+    def __init__(self, log, blocking=False, done=None, large=None):
+        self.log, self.blocking, self.done, self.large_request_bytes = log, blocking, done, large
         self.seen = []  # MAX requests (the agreement)
 
     def start(self, op, tensor, name=None):
@@ -81,6 +81,49 @@ def test_by_name_progress_advances_what_completed_without_blocking():
     runner.progress()
     assert [entry for entry in log if entry[0] == "wait"] == [("wait", "t.x1.world0.sum")]
     assert log[-1] == ("start", "t.x1.world1.sum") and runner.in_flight
+
+
+def test_exchanges_with_large_first_requests_are_open_two_at_a_time_the_others_start_in_launch_order():
+    log = []
+    transport = _LoggingTransport(log, done=set(), large=12)  # first requests of 3 float32: large; none completes early
+    runner = Runner(transport, Statistics(), "t")
+    results = {}
+    for index in range(4):
+        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda r, i=index: results.update({i: r}))
+    runner.progress()
+    assert [name for kind, name in log if kind == "start"] == ["t.x0.world0.sum", "t.x1.world0.sum"]
+    assert [index for kind, index in log if kind == "compute"] == [0, 1, 2, 3]  # encoded at launch, held to start
+    runner.finish()
+    starts = [name for kind, name in log if kind == "start"]
+    assert starts == ["t.x0.world0.sum", "t.x1.world0.sum", "t.x0.world1.sum", "t.x2.world0.sum", "t.x1.world1.sum",
+                      "t.x3.world0.sum", "t.x2.world1.sum", "t.x3.world1.sum"]  # a later round never waits its turn
+    for index in range(4):
+        first, second = results[index]
+        assert torch.equal(first, torch.full((3,), 2.0 * index)) and torch.equal(second, 2 * (first + 1))
+
+
+@pytest.mark.parametrize("blocking, large", [(False, 13), (True, 1)], ids=["small-requests", "by-call-order"])
+def test_small_first_requests_and_transports_that_pair_by_call_order_hold_nothing(blocking, large):
+    log = []
+    runner = Runner(_LoggingTransport(log, blocking=blocking, done=set(), large=large), Statistics(), "t")
+    for index in range(4):  # first requests of 12 bytes each
+        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda result: None)
+    assert [name for kind, name in log if kind == "start"] == [f"t.x{i}.world0.sum" for i in range(4)]
+    runner.finish()
+    assert len([kind for kind, _ in log if kind == "start"]) == 8
+
+
+def test_a_dropped_step_forgets_its_open_and_held_exchanges():
+    log = []
+    runner = Runner(_LoggingTransport(log, done=set(), large=12), Statistics(), "t")
+    for index in range(3):
+        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda result: None)
+    runner.drop()
+    log.clear()
+    for index in range(2):
+        runner.launch_exchange(index, f"y{index}", _two_rounds(index, log), lambda result: None)
+    assert [name for kind, name in log if kind == "start"] == ["t.y0.world0.sum", "t.y1.world0.sum"]
+    runner.finish()
 
 
 def test_by_call_order_progress_advances_older_exchanges_one_round_and_finish_runs_them_in_order():

@@ -179,7 +179,10 @@ class Transport(Topology, Protocol):
     them in the same order. ``sums_float16`` (default False): its ``SUM`` of a float16 tensor runs natively at
     the wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so
     codecs may ask for it (``FP16``); ``sums_bfloat16`` (default False) likewise for bfloat16 (torch.distributed;
-    ``BF16``). A transport never does arithmetic of its own. Every transport moves float16 and bfloat16 tensors
+    ``BF16``). ``large_request_bytes`` (default None): for a transport that pairs by name, the size from which a
+    request is large: the runner keeps at most two exchanges whose first request is large open at once
+    (``HorovodTransport``: its background thread would fuse them, copying each into and out of its fusion buffer).
+    A transport never does arithmetic of its own. Every transport moves float16 and bfloat16 tensors
     (all-to-all, all-gather). Transports subclass this class, so the defaults below are theirs unless they say
     otherwise.
     """
@@ -187,6 +190,7 @@ class Transport(Topology, Protocol):
     blocking: bool
     sums_float16: bool = False
     sums_bfloat16: bool = False
+    large_request_bytes: int | None = None
 
     def forget_topology(self) -> None:
         """Read the topology anew at its next use (after the launcher re-initialised the workers: elastic

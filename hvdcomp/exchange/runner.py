@@ -12,7 +12,10 @@ ready (``launch``) and where its means go (``deliver``); the runner does the res
 
   - *by name* (Horovod, ``blocking`` False): ``progress`` advances every exchange whose collective has
     completed, without blocking; ``finish`` advances whichever has completed, else blocks on the lowest bucket
-    still in flight (which every worker reaches: no deadlock);
+    still in flight (which every worker reaches: no deadlock). Where the transport says which requests are large
+    (``large_request_bytes``), an exchange whose first request is large starts it only while fewer than two such
+    exchanges are open, the others in launch order as those finish (every worker holds alike: the sizes are the
+    same on every worker);
   - *by call order* (MPI, torch.distributed): every worker must start the same collectives in the same order,
     so ``progress`` advances each exchange launched before the previous ``progress`` by exactly one round
     (queued behind the ones just launched: the link stays busy while the next bucket encodes), and ``finish``
@@ -46,6 +49,9 @@ from .state import ExchangeState
 from .stats import Statistics
 
 Deliver = Callable[[Any], None]
+# Exchanges open at once whose first request is large (``Transport.large_request_bytes``): one on the wire, one
+# queued behind it, so the transport never waits for the next (docs/benchmarks.md#large-requests-held-back).
+_LARGE_IN_FLIGHT = 2
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -59,6 +65,8 @@ class _Flight:
     deliver: Deliver
     handle: Any = None
     rounds: dict[Scope, int] = field(default_factory=dict)
+    held: tuple[Op, torch.Tensor, str] | None = None  # its first request, until the transport's window has room
+    large: bool = False  # its first request counts in the transport's window (``Transport.large_request_bytes``)
 
 
 def consecutive_span(grads: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
@@ -108,6 +116,8 @@ class Runner:
         self.state, self.hierarchical = state, hierarchical
         self._flights: list[_Flight] = []
         self._launched_since: list[_Flight] = []  # by call order: not advanced by the next progress()
+        self._large_bytes = None if transport.blocking else transport.large_request_bytes
+        self._large_open = 0  # exchanges open (started, not finished) whose first request is large
         self._open = False
 
     @property
@@ -182,6 +192,9 @@ class Runner:
         except StopIteration as done:
             flight.deliver(done.value)
             traffic.decompress_s += time.perf_counter() - started
+            if flight.large:
+                self._large_open -= 1
+                self._release()
             return True
         queued = time.perf_counter()
         traffic.compress_s += queued - started
@@ -194,7 +207,25 @@ class Runner:
         count = flight.rounds.get(op.scope, 0)
         flight.rounds[op.scope] = count + 1
         name = f"{self.prefix}.{flight.key}.{op.scope.value}{count}.{op.name.lower()}"
+        if count == 0 and len(flight.rounds) == 1 and self._large_bytes is not None \
+                and tensor.numel() * tensor.element_size() >= self._large_bytes:
+            flight.large = True
+            if self._large_open >= _LARGE_IN_FLIGHT:
+                flight.held = (op, tensor, name)
+                return
+            self._large_open += 1
         flight.handle = self.transport.start(op, tensor, name)
+
+    def _release(self) -> None:
+        """Start held first requests, in launch order, while the transport's window has room."""
+        for flight in self._flights:
+            if self._large_open >= _LARGE_IN_FLIGHT:
+                return
+            if flight.held is not None:
+                op, tensor, name = flight.held
+                flight.held = None
+                self._large_open += 1
+                flight.handle = self.transport.start(op, tensor, name)
 
     def _advance(self, flight: _Flight) -> bool:
         """Wait for the flight's collective and run it to its next request; True once it finished."""
@@ -215,7 +246,7 @@ class Runner:
         """Advance what may advance now (the module docstring)."""
         if not self.transport.blocking:
             for flight in list(self._flights):
-                while self.transport.poll(flight.handle) and not self._advance(flight):
+                while flight.held is None and self.transport.poll(flight.handle) and not self._advance(flight):
                     pass
             return
         older = [flight for flight in self._flights if flight not in self._launched_since]
@@ -238,8 +269,9 @@ class Runner:
         results are due before its step ends, as FSDP's reduce-scatter per module)."""
         if not self.transport.blocking:
             pending = sorted(self._flights, key=lambda f: f.order)
-            while pending:  # the first whose collective completed, else (blocking on it) the oldest
-                flight = next((f for f in pending if self.transport.poll(f.handle)), pending[0])
+            while pending:  # the first whose collective completed, else (blocking on it) the oldest started
+                started = [f for f in pending if f.held is None]
+                flight = next((f for f in started if self.transport.poll(f.handle)), started[0])
                 if self._advance(flight):
                     pending.remove(flight)
         else:
@@ -253,4 +285,5 @@ class Runner:
             flight.exchange.close()
         self._flights.clear()
         self._launched_since.clear()
+        self._large_open = 0
         self._open = False
