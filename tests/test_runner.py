@@ -102,13 +102,25 @@ def test_exchanges_with_large_first_requests_are_open_two_at_a_time_the_others_s
         assert torch.equal(first, torch.full((3,), 2.0 * index)) and torch.equal(second, 2 * (first + 1))
 
 
-@pytest.mark.parametrize("blocking, large", [(False, 13), (True, 1)], ids=["small-requests", "by-call-order"])
-def test_small_first_requests_and_transports_that_pair_by_call_order_hold_nothing(blocking, large):
+def _max_then_sum(index, log):
+    """``_two_rounds`` with a MAX first."""
+    log.append(("compute", index))
+    first = yield Op.MAX, torch.full((3,), float(index))
+    second = yield Op.SUM, first + 1
+    return first, second
+
+
+@pytest.mark.parametrize("blocking, large, rounds", [(False, 13, _two_rounds), (True, 1, _two_rounds),
+                                                     (False, 1, _max_then_sum)],
+                         ids=["small-requests", "by-call-order", "not-a-sum"])
+def test_small_first_requests_others_than_sums_and_transports_that_pair_by_call_order_hold_nothing(blocking, large,
+                                                                                                   rounds):
     log = []
     runner = Runner(_LoggingTransport(log, blocking=blocking, done=set(), large=large), Statistics(), "t")
     for index in range(4):  # first requests of 12 bytes each
-        runner.launch_exchange(index, f"x{index}", _two_rounds(index, log), lambda result: None)
-    assert [name for kind, name in log if kind == "start"] == [f"t.x{i}.world0.sum" for i in range(4)]
+        runner.launch_exchange(index, f"x{index}", rounds(index, log), lambda result: None)
+    first_op = "max" if rounds is _max_then_sum else "sum"
+    assert [name for kind, name in log if kind == "start"] == [f"t.x{i}.world0.{first_op}" for i in range(4)]
     runner.finish()
     assert len([kind for kind, _ in log if kind == "start"]) == 8
 

@@ -180,7 +180,7 @@ class Transport(Topology, Protocol):
     the wire's rate (Gloo and NCCL through torch.distributed; Horovod where its Gloo has the F16C/AVX sum), so
     codecs may ask for it (``FP16``); ``sums_bfloat16`` (default False) likewise for bfloat16 (torch.distributed;
     ``BF16``). ``large_request_bytes`` (default None): for a transport that pairs by name, the size from which a
-    request is large: the runner keeps at most two exchanges whose first request is large open at once
+    sum is large: the runner keeps at most two exchanges whose first request is a large sum open at once
     (``HorovodTransport``: its background thread would fuse them, copying each into and out of its fusion buffer).
     A transport never does arithmetic of its own. Every transport moves float16 and bfloat16 tensors
     (all-to-all, all-gather). Transports subclass this class, so the defaults below are theirs unless they say

@@ -13,9 +13,9 @@ ready (``launch``) and where its means go (``deliver``); the runner does the res
   - *by name* (Horovod, ``blocking`` False): ``progress`` advances every exchange whose collective has
     completed, without blocking; ``finish`` advances whichever has completed, else blocks on the lowest bucket
     still in flight (which every worker reaches: no deadlock). Where the transport says which requests are large
-    (``large_request_bytes``), an exchange whose first request is large starts it only while fewer than two such
-    exchanges are open, the others in launch order as those finish (every worker holds alike: the sizes are the
-    same on every worker);
+    (``large_request_bytes``), an exchange whose first request is a large sum starts it only while fewer than two
+    such exchanges are open, the others in launch order as those finish (every worker holds alike: the sizes are
+    the same on every worker);
   - *by call order* (MPI, torch.distributed): every worker must start the same collectives in the same order,
     so ``progress`` advances each exchange launched before the previous ``progress`` by exactly one round
     (queued behind the ones just launched: the link stays busy while the next bucket encodes), and ``finish``
@@ -44,13 +44,13 @@ import torch
 from .bucket import ElementwiseCodec
 from .hierarchy import bucket_exchange
 from .plan import Bucket
-from .protocol import Exchange, Op, Scope, Transport
+from .protocol import Exchange, Op, Reduction, Scope, Transport
 from .state import ExchangeState
 from .stats import Statistics
 
 Deliver = Callable[[Any], None]
-# Exchanges open at once whose first request is large (``Transport.large_request_bytes``): one on the wire, one
-# queued behind it, so the transport never waits for the next (docs/benchmarks.md#large-requests-held-back).
+# Exchanges open at once whose first request is a large sum (``Transport.large_request_bytes``): one on the wire, one
+# queued behind it, so the transport never waits for the next (docs/benchmarks.md#large-sums-held-back).
 _LARGE_IN_FLIGHT = 2
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -207,7 +207,7 @@ class Runner:
         count = flight.rounds.get(op.scope, 0)
         flight.rounds[op.scope] = count + 1
         name = f"{self.prefix}.{flight.key}.{op.scope.value}{count}.{op.name.lower()}"
-        if count == 0 and len(flight.rounds) == 1 and self._large_bytes is not None \
+        if count == 0 and len(flight.rounds) == 1 and op.reduction is Reduction.SUM and self._large_bytes is not None \
                 and tensor.numel() * tensor.element_size() >= self._large_bytes:
             flight.large = True
             if self._large_open >= _LARGE_IN_FLIGHT:

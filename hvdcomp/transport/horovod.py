@@ -145,8 +145,8 @@ class HorovodTransport(Transport):
 
     blocking = False  # asynchronous, matched across workers by name
     sums_float16 = HOROVOD_SUMS_FLOAT16
-    # From 2 MiB a request costs more to copy into and out of Horovod's fusion buffer than to negotiate alone; smaller
-    # compressed payloads gain from fusion (docs/benchmarks.md#large-requests-held-back)
+    # From 2 MiB a sum costs more to copy into and out of Horovod's fusion buffer than to negotiate alone; smaller
+    # compressed payloads gain from fusion, and all-to-alls are never fused (docs/benchmarks.md#large-sums-held-back)
     large_request_bytes = 2 * 2**20
 
     def __init__(self, process_set: hvd.ProcessSet | None = None) -> None:
