@@ -428,7 +428,7 @@ def _gradients(generator):
     """Birder's gradients of every kind: float32 (one of them past a tile of 4096), float64, bfloat16,
     non-contiguous, empty, and None; and their offsets in the flat buffer."""
     sources = [torch.randn(4099, generator=generator), torch.randn(33, generator=generator).double(), None,
-               torch.randn(70_001, generator=generator), torch.randn(8, 6, generator=generator).t(),
+               torch.randn(200_001, generator=generator), torch.randn(8, 6, generator=generator).t(),
                torch.randn(191, generator=generator).bfloat16(), torch.zeros(0), torch.randn(1, generator=generator)]
     sizes = [0 if s is None else s.numel() for s in sources]
     sizes[2] = 65
@@ -437,7 +437,7 @@ def _gradients(generator):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["all-active", "masked"])
-def test_gather_checked_equals_eager_and_finds_non_finite_and_fresh_gradients(masked):
+def test_gather_checked_equals_eager_and_finds_non_finite_and_fresh_gradients(masked, threads):
     generator = torch.Generator().manual_seed(3)
     sources, offsets, numel = _gradients(generator)
     active = (torch.rand(numel, generator=generator) < 0.5) if masked else None
@@ -463,13 +463,13 @@ def test_gather_checked_equals_eager_and_finds_non_finite_and_fresh_gradients(ma
         assert both(spoiled, active)[0][0] is False
     assert both(sources, torch.ones(numel, dtype=torch.bool))[0] == (True, False)
     quiet = torch.ones(numel, dtype=torch.bool)
-    quiet[offsets[3] + 70_000] = False  # the last element of the long gradient, non-zero: fresh
+    quiet[offsets[3] + 200_000] = False  # the last element of the long gradient (another thread's), non-zero: fresh
     assert both(sources, quiet)[0] == (True, True)
 
 
-def test_apply_updates_equals_eager_and_tells_autograd():
+def test_apply_updates_equals_eager_and_tells_autograd(threads):
     generator = torch.Generator().manual_seed(4)
-    shapes = [(4099,), (3, 11), (70_001,), (1,), (0,)]
+    shapes = [(4099,), (3, 11), (200_001,), (1,), (0,)]
     mean = torch.randint(-2, 3, (sum(math.prod(s) for s in shapes) + 5,), generator=generator).float() / 2
     offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
     keeps, steps = [1 - 0.004 * 0.1, 1.0, 1 - 0.1 * 0.3, 0.5, 1.0], [-0.004, -0.01, -0.1, -1e-3, -0.2]

@@ -108,13 +108,14 @@ CASES = {
         flat, flags = torch.zeros(16), torch.zeros(2, dtype=torch.int64)
         spans = [torch.tensor(values, dtype=torch.int64) for values in ([flat.data_ptr()], [16], [8])]
         attempt('c', lambda: native.library().hvdcomp_gather_checked(*(t.data_ptr() for t in spans), 1,
-                                                                     flat.data_ptr(), 16, None, flags.data_ptr()))
+                                                                     flat.data_ptr(), 16, None, flags.data_ptr(),
+                                                                     0, 16))
     """,
     "kernel_refuses_parameter_past_the_mean": """
         p, mean, factors = torch.zeros(16), torch.zeros(16), torch.ones(1)
         spans = [torch.tensor(values, dtype=torch.int64) for values in ([p.data_ptr()], [16], [1])]
         attempt('c', lambda: native.library().hvdcomp_birder_update(*(t.data_ptr() for t in spans), factors.data_ptr(),
-                                                                    factors.data_ptr(), 1, mean.data_ptr(), 16))
+                                                                    factors.data_ptr(), 1, mean.data_ptr(), 16, 0, 16))
     """,
     "kernel_refuses_short_rows": """
         packed, out = torch.zeros(2, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)

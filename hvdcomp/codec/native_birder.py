@@ -4,7 +4,8 @@ Gathering the gradients into the flat buffer with the step's checks in the same 
 parameter (decay and step in one pass): each computes what ``hvdcomp.codec.onebit``'s eager reference computes, bit
 for bit (``tests/test_native.py``). Both take a list of tensors as their addresses, sizes and offsets; the wrappers
 check every tensor and span they hand the kernels, and the kernels refuse spans past the buffer they are given
-(``native``'s docstring).
+(``native``'s docstring). Both split their values over the torch threads (``native._in_parallel``), as the
+ATen ops they replace do.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .native import _checked, _Library
+from .native import _checked, _in_parallel, _Library
+
+_TILE = 4096  # native_kernels.cpp's kChunk: threads split the values in whole tiles
 
 
 def _spans(tensors: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> tuple[torch.Tensor, ...]:
@@ -38,10 +41,17 @@ def gather_checked(sources: Sequence[torch.Tensor], offsets: Sequence[int], flat
     if active is not None:
         _checked("the active mask", active, torch.bool, numel)
     addresses, sizes, starts = _spans(sources, offsets, numel)
-    flags = torch.zeros(2, dtype=torch.int64)
-    _Library.handle.hvdcomp_gather_checked(addresses.data_ptr(), sizes.data_ptr(), starts.data_ptr(), len(sources),
-                                           flat.data_ptr(), numel, None if active is None else active.data_ptr(),
-                                           flags.data_ptr())
+    lib, found = _Library.handle, []
+
+    def run(first: int, last: int) -> None:
+        flags = torch.zeros(2, dtype=torch.int64)
+        lib.hvdcomp_gather_checked(addresses.data_ptr(), sizes.data_ptr(), starts.data_ptr(), len(sources),
+                                   flat.data_ptr(), numel, None if active is None else active.data_ptr(),
+                                   flags.data_ptr(), first, last)
+        found.append(flags)
+
+    _in_parallel(run, _whole_tiles(sizes), _TILE)
+    flags = torch.stack(found).amax(0) if found else torch.zeros(2, dtype=torch.int64)
     return not flags[0].item(), bool(flags[1].item())
 
 
@@ -54,5 +64,16 @@ def birder_update(params: Sequence[torch.Tensor], offsets: Sequence[int], keeps:
     addresses, sizes, starts = _spans(params, offsets, numel)
     decays = torch.tensor(keeps, dtype=torch.float32)
     moves = torch.tensor(steps, dtype=torch.float32)
-    _Library.handle.hvdcomp_birder_update(addresses.data_ptr(), sizes.data_ptr(), starts.data_ptr(), decays.data_ptr(),
-                                          moves.data_ptr(), len(params), mean.data_ptr(), numel)
+    lib = _Library.handle
+
+    def run(first: int, last: int) -> None:
+        lib.hvdcomp_birder_update(addresses.data_ptr(), sizes.data_ptr(), starts.data_ptr(), decays.data_ptr(),
+                                  moves.data_ptr(), len(params), mean.data_ptr(), numel, first, last)
+
+    _in_parallel(run, _whole_tiles(sizes), _TILE)
+
+
+def _whole_tiles(sizes: torch.Tensor) -> int:
+    """The values of all spans, rounded up to whole tiles (what ``_in_parallel`` splits; the kernels stop at the
+    spans' end)."""
+    return -(-int(sizes.sum()) // _TILE) * _TILE

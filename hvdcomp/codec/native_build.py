@@ -149,8 +149,8 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_decode_planes": [_POINTER, _INT, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
                               _POINTER],
     "hvdcomp_rotate": [_POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT],
-    "hvdcomp_gather_checked": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER],
-    "hvdcomp_birder_update": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT],
+    "hvdcomp_gather_checked": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT],
+    "hvdcomp_birder_update": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
 }
 
 

@@ -499,22 +499,25 @@ int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t wid
 }
 
 // Birder's gradients into its flat buffer, checked in the same pass: sources[k] (an address: sizes[k] float32 values,
-// which may be flat + offsets[k] itself) into flat[offsets[k] ..], each span within [0, numel); flags[0] <- 1 if some
-// value is NaN or +-Inf, flags[1] <- 1 if some value is non-zero where active (one uint8 0 / 1 per element of flat;
-// null: every element is active) is 0 (onebit.gather_checked).
+// which may be flat + offsets[k] itself) into flat[offsets[k] ..], each span within [0, numel), for the values
+// [first, last) of the spans laid end to end; flags[0] <- 1 if some value is NaN or +-Inf, flags[1] <- 1 if some
+// value is non-zero where active (one uint8 0 / 1 per element of flat; null: every element is active) is 0
+// (onebit.gather_checked).
 int64_t hvdcomp_gather_checked(const int64_t* sources, const int64_t* sizes, const int64_t* offsets, int64_t count,
-                               float* flat, int64_t numel, const uint8_t* active, int64_t* flags) {
-  if (count < 0 || numel < 0) return kBadArgument;
+                               float* flat, int64_t numel, const uint8_t* active, int64_t* flags, int64_t first,
+                               int64_t last) {
+  if (count < 0 || numel < 0 || first < 0 || first > last) return kBadArgument;
   for (int64_t k = 0; k < count; ++k)
     if (sizes[k] < 0 || offsets[k] < 0 || offsets[k] > numel - sizes[k] || (sizes[k] && !sources[k]))
       return kBadArgument;
   uint32_t nonfinite = 0, fresh = 0;
-  for (int64_t k = 0; k < count; ++k) {
+  int64_t at = 0;  // where span k starts in the spans laid end to end
+  for (int64_t k = 0; k < count; at += sizes[k], ++k) {
     const float* source = reinterpret_cast<const float*>(sources[k]);
     float* out = flat + offsets[k];
     const uint8_t* on = active ? active + offsets[k] : nullptr;
-    const int64_t n = sizes[k];
-    for (int64_t start = 0; start < n; start += kChunk) {  // one pass: copied while checked, a tile at a time
+    const int64_t n = std::min(sizes[k], last - at);
+    for (int64_t start = std::max<int64_t>(0, first - at); start < n; start += kChunk) {  // copied while checked
       const int64_t tile = std::min(kChunk, n - start);
       if (source != out) std::memcpy(out + start, source + start, tile * sizeof(float));
       for (int64_t i = start; i < start + tile; ++i) {
@@ -532,19 +535,23 @@ int64_t hvdcomp_gather_checked(const int64_t* sources, const int64_t* sizes, con
 }
 
 // Birder's update of `count` parameters: p[i] <- p[i] keeps[k] + steps[k] mean[offsets[k] + i] for p the sizes[k]
-// float32 values at params[k] (an address), each span of mean within [0, mean_numel); both products rounded, then
-// their sum, as the eager reference (onebit.apply_updates).
+// float32 values at params[k] (an address), each span of mean within [0, mean_numel), for the values [first, last)
+// of the parameters laid end to end; both products rounded, then their sum, as the eager reference
+// (onebit.apply_updates).
 int64_t hvdcomp_birder_update(const int64_t* params, const int64_t* sizes, const int64_t* offsets, const float* keeps,
-                              const float* steps, int64_t count, const float* mean, int64_t mean_numel) {
-  if (count < 0 || mean_numel < 0) return kBadArgument;
+                              const float* steps, int64_t count, const float* mean, int64_t mean_numel, int64_t first,
+                              int64_t last) {
+  if (count < 0 || mean_numel < 0 || first < 0 || first > last) return kBadArgument;
   for (int64_t k = 0; k < count; ++k)
     if (sizes[k] < 0 || offsets[k] < 0 || offsets[k] > mean_numel - sizes[k] || (sizes[k] && !params[k]))
       return kBadArgument;
-  for (int64_t k = 0; k < count; ++k) {
+  int64_t at = 0;  // where parameter k starts in the parameters laid end to end
+  for (int64_t k = 0; k < count; at += sizes[k], ++k) {
     float* __restrict p = reinterpret_cast<float*>(params[k]);
     const float* __restrict m = mean + offsets[k];
     const float keep = keeps[k], step = steps[k];
-    for (int64_t i = 0; i < sizes[k]; ++i) {
+    const int64_t n = std::min(sizes[k], last - at);
+    for (int64_t i = std::max<int64_t>(0, first - at); i < n; ++i) {
       const float kept = p[i] * keep, moved = m[i] * step;
       p[i] = kept + moved;
     }
