@@ -153,6 +153,8 @@ def _two_workers() -> dict:
         second.restore(first.checkpoint())
         out["resume"][name] = torch.equal(unbroken, second.train(range(2, 4)))
 
+    out["aligned"] = _codec_buckets_inside_ddps()
+
     # clear errors, on every worker
     errors = []
     mismatched = _Run(hvdcomp.QSGDMaxNorm(8 if dist.get_rank() == 0 else 4))
@@ -180,6 +182,34 @@ def _two_workers() -> dict:
         net, birder = _birder_steps(3)
         out[label] = (_flat(net), birder.route, birder.stats.total.inter_node_bytes)
     return out
+
+
+def _codec_buckets_inside_ddps() -> tuple[bool, int, int]:
+    """A model of 42 MB under DDP's default caps (a first bucket of 1 MiB, then 25 MiB) and codec buckets of
+    16 MiB through ``hook()``: once DDP has rebuilt its buckets, does every codec bucket lie in one of them (so
+    its exchange starts in that bucket's hook)? Also how many codec buckets and DDP buckets there were."""
+    import hvdcomp
+    import hvdcomp.ddp
+
+    generator = torch.Generator().manual_seed(1)
+    layers = [nn.Linear(1024, 1024) for _ in range(10)]
+    model = DDP(nn.Sequential(*layers))
+    for p in model.parameters():
+        p.data.normal_(0, 0.01, generator=generator)
+    state, hook = hvdcomp.ddp.hook(hvdcomp.FP16(), bucket_size_mb=16)
+    seen: list[set[int]] = []
+
+    def spy(hook_state, bucket):
+        seen.append({id(p) for p in bucket.parameters()})
+        return hook(hook_state, bucket)
+
+    model.register_comm_hook(state, spy)
+    for _ in range(3):
+        seen.clear()
+        model(torch.ones(2, 1024)).square().sum().backward()
+    inside = all(any({id(p) for p in codec_bucket.params} <= ddp_bucket for ddp_bucket in seen)
+                 for codec_bucket in state._state.plan)
+    return inside, len(state._state.plan), len(seen)
 
 
 def _named_outputs_reused():
@@ -253,6 +283,8 @@ def test_ddp_hook_on_two_gloo_workers():
         assert "DistributedDataParallel" in out["errors"][1] and "not supported" in out["errors"][2]
         assert "hierarchical must be True or False" in out["errors"][3]
         assert out["ddp_buckets"][0] >= 2 and out["ddp_buckets"][1] == 1  # the precondition of the bucketing check
+        inside, codec_buckets, ddp_buckets = out["aligned"]
+        assert inside and ddp_buckets >= 3 and codec_buckets > ddp_buckets, out["aligned"]
     fp32_bytes = 4 * results[0]["numel"]
     for name, (params, before, after, bucketing_invariant, bytes_per_step) in results[0]["codecs"].items():
         assert torch.equal(params, results[1]["codecs"][name][0]), name  # identical replicas

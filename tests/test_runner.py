@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hvdcomp.exchange import FP16, ElementwiseCodec, NoCompression, Op, Statistics, Transport
-from hvdcomp.exchange.plan import plan_buckets, signature
+from hvdcomp.exchange.plan import Delivery, plan_buckets, signature
+from hvdcomp.exchange.protocol import last
 from hvdcomp.exchange.runner import Runner, consecutive_span
 from hvdcomp.exchange.state import ConfigurationMismatchError, ExchangeState
 
@@ -149,6 +150,71 @@ def test_by_call_order_progress_advances_older_exchanges_one_round_and_finish_ru
     runner.finish()
     starts = [name for kind, name in log if kind == "start"]
     assert starts == ["t.x0.world0.sum", "t.x1.world0.sum", "t.x0.world1.sum", "t.x1.world1.sum"]
+
+
+def _last_after(rounds, index, log):
+    """Sums ``rounds`` times, the last one declared (``protocol.last``); logs its decode."""
+    value = torch.full((3,), float(index))
+    for round_ in range(rounds):
+        value = yield (last(Op.SUM, value) if round_ == rounds - 1 else (Op.SUM, value))
+    log.append(("decode", index))
+    return value
+
+
+def test_by_call_order_progress_never_waits_for_a_last_request_and_takes_it_once_completed():
+    log = []
+    transport = _LoggingTransport(log, blocking=True, done=set())
+    runner = Runner(transport, Statistics(), "t")
+    results = {}
+    for index, rounds in enumerate((1, 2)):
+        runner.launch_exchange(index, f"x{index}", _last_after(rounds, index, log),
+                               lambda r, i=index: results.update({i: r}))
+    runner.progress()  # nothing older
+    runner.launch_exchange(2, "x2", _last_after(1, 2, log), lambda r: results.update({2: r}))
+    runner.progress()  # x1 advances one round (it blocks: its first request is not its last); x0 is not waited for
+    assert [entry for entry in log if entry[0] == "wait"] == [("wait", "t.x1.world0.sum")]
+    transport.done = {"t.x0.world0.sum"}
+    runner.progress()  # x0 completed: taken, decoded, delivered; x1's last and x2 are not waited for
+    assert [entry for entry in log if entry[0] != "start"] == [("wait", "t.x1.world0.sum"), ("wait", "t.x0.world0.sum"),
+                                                               ("decode", 0)]
+    assert list(results) == [0]
+    runner.finish()
+    starts = [name for kind, name in log if kind == "start"]
+    assert starts == ["t.x0.world0.sum", "t.x1.world0.sum", "t.x2.world0.sum", "t.x1.world1.sum"]
+    assert torch.equal(results[1], torch.full((3,), 4.0)) and torch.equal(results[2], torch.full((3,), 4.0))
+
+
+def test_an_exchange_that_asks_again_after_its_last_request_is_an_error():
+    def liar():
+        yield last(Op.SUM, torch.ones(2))
+        yield Op.SUM, torch.ones(2)
+
+    runner = Runner(_LoggingTransport([], blocking=True), Statistics(), "t")
+    runner.launch_exchange(0, "liar", liar(), lambda result: None)
+    with pytest.raises(RuntimeError, match="after declaring its last request"):
+        runner.finish()
+
+
+def test_a_delivery_plan_never_spans_two_deliveries_cut_by_ddps_rule():
+    sizes = [1000, 300_000, 2, 500_000, 700_000, 5, 900_000, 100, 400_000]  # float32: 4 bytes each
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    plan = plan_buckets(params, names, bucket_size_mb=2.0, delivery=Delivery(first_mb=1.0, rest_mb=3.0))
+    deliveries, current, filled, limit = [], [], 0, 1.0 * 2**20  # DDP's rule, reverse order: close once full
+    for p in reversed(params):
+        current.append(names[p])
+        filled += 4 * p.numel()
+        if filled >= limit:
+            deliveries.append(current)
+            current, filled, limit = [], 0, 3.0 * 2**20
+    deliveries.append(current)
+    home = {name: i for i, names_ in enumerate(deliveries) for name in names_}
+    assert [name for bucket in plan for name in bucket.names] == [names[p] for p in reversed(params)]
+    assert all(len({home[name] for name in bucket.names}) == 1 for bucket in plan)
+    assert all(4 * sum(bucket.sizes) <= 2 * 2**20 or len(bucket.params) == 1 for bucket in plan)
+    assert len(plan) > len(deliveries)  # some delivery holds several codec buckets
+    undelivered = plan_buckets(params, names, bucket_size_mb=2.0)
+    assert any(len({home[name] for name in bucket.names}) > 1 for bucket in undelivered)  # what the cut prevents
 
 
 def _state(codec, **settings):

@@ -41,7 +41,7 @@ from ..codec.agreed import AgreedScales
 from ..codec.packing import INT64_WORD_BITS, lane_block_words
 from .bucket import ElementwiseCodec, Segments
 from .elementwise import MaxNormCodec, warn_nonfinite
-from .protocol import Exchange, Op, relay
+from .protocol import Exchange, Op, last, relay
 
 
 class AheadMaxNorm(ElementwiseCodec):
@@ -135,7 +135,7 @@ class AheadMaxNorm(ElementwiseCodec):
         quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words])
         if rows:  # this worker's row: the bits of its float32 statistics (non-negative, below 2**31)
             payload[words:].zero_().view(world_size, -1)[self.inner.rank] = local.view(torch.int32)
-        sums = yield Op.PAYLOAD, payload
+        sums = yield last(Op.PAYLOAD, payload) if rows else (Op.PAYLOAD, payload)
         mean = quantizer.decode(sums[:words], scale_stats, groups, None, numel, world_size, word_bits,
                                 self.inner.buffers, key)
         if rotation is not None:

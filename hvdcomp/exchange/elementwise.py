@@ -25,7 +25,7 @@ from ..codec.selection import RandomCoordinateSelector
 from ..codec.sparse import gather, keep_unsent, scatter
 from ..codec.validate import check_bool
 from .bucket import ElementwiseCodec, Segments
-from .protocol import Exchange, Op
+from .protocol import Exchange, Op, last
 from .simulator import simulate
 
 
@@ -49,7 +49,7 @@ class NoCompression(ElementwiseCodec):
         """See ``ElementwiseCodec.exchange``: the mean goes into ``out`` where given; where ``out`` is ``flat`` itself,
         ``flat`` is summed in place (``Op.SUM_IN_PLACE``)."""
         in_place = out is not None and out.data_ptr() == flat.data_ptr()
-        total = yield (Op.SUM_IN_PLACE if in_place else Op.SUM), flat
+        total = yield last(Op.SUM_IN_PLACE if in_place else Op.SUM, flat)
         return total.div_(world_size) if out is None else torch.div(total, world_size, out=out)
 
     @property
@@ -133,7 +133,7 @@ class HalfCodec(ElementwiseCodec):
         residual = None if self.memory is None else self.memory.residual(key, flat)
         round_to_half(flat, residual, out=half)
         if self.sums_natively:  # the send buffer is scratch once sent, but for the memory's update
-            total = yield (Op.SUM if residual is not None else Op.SUM_IN_PLACE), buffers.send
+            total = yield last(Op.SUM if residual is not None else Op.SUM_IN_PLACE, buffers.send)
         else:
             received = yield Op.ALLTOALL, buffers.send  # [W * chunk]: my chunk of every worker's, by rank
             sum_rows_to_half(received.view(world_size, -1), out=buffers.chunk_sum)
@@ -339,7 +339,8 @@ class MaxNormCodec(ElementwiseCodec):
             counts = yield Op.SUM, quantizer.agreement_words(values, scale_stats, groups, world_size)
             agreed = quantizer.agreed_resolutions(counts, values.numel(), world_size)
 
-        word_sums = yield Op.PAYLOAD, quantizer.encode(values, scale_stats, groups, agreed, world_size, word_bits, rng)
+        word_sums = yield last(Op.PAYLOAD, quantizer.encode(values, scale_stats, groups, agreed, world_size, word_bits,
+                                                            rng))
         mean = quantizer.decode(word_sums, scale_stats, groups, agreed, values.numel(), world_size, word_bits,
                                 self.buffers if indices is None else None, key)
         if self.rotation is not None and not nonfinite:

@@ -6,6 +6,10 @@ them: an integer splits the tensors into that many buckets as Horovod splits its
 lists makes each list a bucket (split by dtype and device where they differ) and the rest are bucketed by
 size. The caller orders the tensors by a rule that is the same on every worker (a model's parameter order).
 
+A caller that receives gradients in buckets of its own (DDP's: ``Delivery``) passes their sizes, and no
+planned bucket spans two of them, so each starts its exchange as soon as the delivery that completes it
+arrives (docs/benchmarks.md#the-ddp-door-without-waits-in-backward).
+
 ``signature`` describes a plan by (name, numel, dtype) per bucket, so the workers' agreement
 (``hvdcomp.exchange.state``) compares names, not positions.
 """
@@ -53,9 +57,21 @@ class Bucket:
         return tuple((name, p.numel(), str(self.dtype)) for name, p in zip(self.names, self.params))
 
 
-def _by_size(params: Sequence[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:
+@dataclass(frozen=True)
+class Delivery:
+    """How a caller receives gradients, by DDP's rule: per dtype and device, in reverse parameter order, a
+    delivery bucket closes as soon as it holds at least ``first_mb`` MiB (the first) or ``rest_mb`` MiB (each
+    later one)."""
+
+    first_mb: float
+    rest_mb: float
+
+
+def _by_size(params: Sequence[torch.Tensor], bucket_size_mb: float,
+             delivery: Delivery | None = None) -> list[list[torch.Tensor]]:
     limit = bucket_size_mb * 2**20
     open_buckets: dict[tuple, tuple[list[torch.Tensor], int]] = {}
+    delivered: dict[tuple, tuple[int, int]] = {}  # per kind: bytes in the open delivery bucket, deliveries closed
     buckets: list[list[torch.Tensor]] = []
     for p in reversed(params):  # backward produces gradients roughly in reverse order
         kind = (p.dtype, p.device)
@@ -66,6 +82,14 @@ def _by_size(params: Sequence[torch.Tensor], bucket_size_mb: float) -> list[list
             current, nbytes = [], 0
         current.append(p)
         open_buckets[kind] = (current, nbytes + size)
+        if delivery is not None:
+            filled, closed = delivered.get(kind, (0, 0))
+            filled += size
+            if filled >= (delivery.rest_mb if closed else delivery.first_mb) * 2**20:  # the delivery closes here
+                buckets.append(current)
+                open_buckets[kind] = ([], 0)
+                filled, closed = 0, closed + 1
+            delivered[kind] = (filled, closed)
     return buckets + [b for b, _ in open_buckets.values() if b]
 
 
@@ -77,10 +101,11 @@ def _by_kind(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def plan_buckets(params: Sequence[torch.Tensor], names: dict[torch.Tensor, str], bucket_size_mb: float,
-                 groups: int | list | None = None) -> list[Bucket]:
-    """The buckets of ``params`` (see the module docstring); ``names[p]`` names each tensor alike on every worker."""
+                 groups: int | list | None = None, delivery: Delivery | None = None) -> list[Bucket]:
+    """The buckets of ``params`` (see the module docstring); ``names[p]`` names each tensor alike on every worker.
+    ``delivery``: the buckets the caller receives gradients in (without ``groups``), which no planned bucket spans."""
     if groups is None or groups == 0:
-        lists = _by_size(params, bucket_size_mb)
+        lists = _by_size(params, bucket_size_mb, delivery)
     elif isinstance(groups, int):
         count = min(groups, len(params))  # Horovod's split_list: near-equal counts, in order
         base, extra = divmod(len(params), count) if count else (0, 0)

@@ -114,6 +114,20 @@ Request = tuple[Op, torch.Tensor]
 Exchange = Generator[Request, torch.Tensor, Any]
 
 
+class LastRequest(tuple):
+    """A request (``(op, tensor)``, a ``Request``) that its exchange declares to be its last: once its result is
+    sent in, the exchange only computes and returns. A runner that pairs collectives by call order may then take
+    that result whenever it is ready without changing the order of any worker's collectives (``last``)."""
+
+    __slots__ = ()
+
+
+def last(op: Op, tensor: torch.Tensor) -> Request:
+    """``(op, tensor)`` declared the exchange's last request (``LastRequest``); yielding another after it is an
+    error."""
+    return LastRequest((op, tensor))
+
+
 @runtime_checkable
 class Topology(Protocol):
     """Where a worker sits among ``size`` workers in ``cross_size`` nodes of ``local_size`` each.

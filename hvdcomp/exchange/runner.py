@@ -19,8 +19,11 @@ ready (``launch``) and where its means go (``deliver``); the runner does the res
   - *by call order* (MPI, torch.distributed): every worker must start the same collectives in the same order,
     so ``progress`` advances each exchange launched before the previous ``progress`` by exactly one round
     (queued behind the ones just launched: the link stays busy while the next bucket encodes), and ``finish``
-    runs them to their ends in launch order. Hierarchical exchanges, whose cross-node rounds may differ between
-    local ranks, each run to their end when advanced;
+    runs them to their ends in launch order. An exchange waiting on its declared last request
+    (``protocol.LastRequest``: nothing but computation follows) is never waited for by ``progress``, only
+    finished once its collective has completed, since finishing it starts no collective: backward does not
+    block on the wire (docs/benchmarks.md#the-ddp-door-without-waits-in-backward). Hierarchical exchanges,
+    whose cross-node rounds may differ between local ranks, each run to their end when advanced;
 - **naming**: ``f"{prefix}.{key}.{scope}{n}.{op}"``: the same on every worker, counted per scope (workers of
   one node, or one cross-node group, run the same sequence of their scope's collectives);
 - **metering**: bytes per request and seconds (``compress_s`` before a request, ``communicate_s`` waiting,
@@ -44,7 +47,7 @@ import torch
 from .bucket import ElementwiseCodec
 from .hierarchy import bucket_exchange
 from .plan import Bucket
-from .protocol import Exchange, Op, Reduction, Scope, Transport
+from .protocol import Exchange, LastRequest, Op, Reduction, Scope, Transport
 from .state import ExchangeState
 from .stats import Statistics
 
@@ -67,6 +70,7 @@ class _Flight:
     rounds: dict[Scope, int] = field(default_factory=dict)
     held: tuple[Op, torch.Tensor, str] | None = None  # its first request, until the transport's window has room
     large: bool = False  # its first request counts in the transport's window (``Transport.large_request_bytes``)
+    last: bool = False  # its request in flight is its last (``protocol.LastRequest``)
 
 
 def consecutive_span(grads: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
@@ -188,7 +192,7 @@ class Runner:
         (its result delivered)."""
         traffic = self.stats.last_step
         try:
-            op, tensor = next(flight.exchange) if result is None else flight.exchange.send(result)
+            request = next(flight.exchange) if result is None else flight.exchange.send(result)
         except StopIteration as done:
             flight.deliver(done.value)
             traffic.decompress_s += time.perf_counter() - started
@@ -196,6 +200,10 @@ class Runner:
                 self._large_open -= 1
                 self._release()
             return True
+        op, tensor = request
+        if flight.last:
+            raise RuntimeError(f"exchange {flight.key} asked for {op.name} after declaring its last request")
+        flight.last = isinstance(request, LastRequest)
         queued = time.perf_counter()
         traffic.compress_s += queued - started
         self._start(flight, op, tensor)
@@ -252,7 +260,11 @@ class Runner:
         older = [flight for flight in self._flights if flight not in self._launched_since]
         self._launched_since.clear()
         for flight in older:
-            self._to_end(flight) if self.hierarchical else self._advance(flight)
+            if flight.last:
+                if self.transport.poll(flight.handle):
+                    self._advance(flight)
+            else:
+                self._to_end(flight) if self.hierarchical else self._advance(flight)
 
     def finish(self) -> None:
         """Run every exchange in flight to its end (``complete``), close the step's statistics and count the

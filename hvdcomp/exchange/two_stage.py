@@ -57,7 +57,7 @@ from .bucket import ElementwiseCodec, Segments
 from .cost import EXCHANGES, TWO_STAGE_HEADER_BYTES, choose_exchange, plain_width
 from .elementwise import MaxNormCodec, warn_nonfinite
 from .hierarchy import shard_length
-from .protocol import Exchange, Op
+from .protocol import Exchange, Op, last
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest chunk scale divided by
 
@@ -187,7 +187,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
             reply = self._requantize(rows, index, chunk, scale_stats, groups, numel, world_size, key,
                                      owner_rounding, nonfinite)
 
-        gathered = yield Op.ALLGATHER, reply  # 4.
+        gathered = yield last(Op.ALLGATHER, reply)  # 4.
         rows = gathered.view(world_size, -1)
         row_steps = rows[:, :TWO_STAGE_HEADER_BYTES].contiguous().view(torch.float32) / s
         if kernels:

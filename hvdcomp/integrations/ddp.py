@@ -12,8 +12,9 @@ and a resumed process starts from one bucket again. Codec state keyed by DDP's b
 memories, PowerSGD's ``Q``s, the order in which rounding draws are taken) would neither survive the
 rebuild nor resume exactly. So the state plans its own *codec buckets* from the parameters alone
 (reverse model order, split by dtype and device, ``bucket_size_mb`` each, by default the codec's ``bucket_mb``
-where it has one, else DDP's ``bucket_cap_mb``: ``hvdcomp.DistributedOptimizer``'s rule), and DDP's buckets only
-deliver gradients to them:
+where it has one, else DDP's ``bucket_cap_mb``: ``hvdcomp.DistributedOptimizer``'s rule, and cut where DDP's
+rebuilt buckets will be cut, by DDP's size rule and caps, so that none waits for two of them), and DDP's buckets
+only deliver gradients to them:
 
 1. each DDP bucket's hook records its gradients (``bucket.parameters()`` / ``bucket.gradients()``), which
    are also where the means must go: DDP's bucket is the hook's until its future completes, so a codec bucket
@@ -29,10 +30,11 @@ deliver gradients to them:
 
 The first synchronizing step of a process learns the parameters from DDP's buckets (every parameter
 DDP reduces is in one of them each step), so its exchanges all start in its last hook; DDP sends that
-step as one bucket anyway. Results therefore do not depend on DDP's bucketing: the first step, the
-rebuilt steps and a resumed run exchange exactly alike. Every worker sees the same hooks (DDP's buckets
-are the same on every worker), so every worker starts the same collectives in the same order. Before the
-first exchange the workers agree on the codec, its settings and the plan (``hvdcomp.exchange.state``).
+step as one bucket anyway. Results therefore do not depend on the buckets DDP happens to use (only on
+its caps, which cut the plan): the first step, the rebuilt steps and a resumed run exchange exactly alike.
+Every worker sees the same hooks (DDP's buckets are the same on every worker), so every worker starts the
+same collectives in the same order. Before the first exchange the workers agree on the codec, its settings
+and the plan (``hvdcomp.exchange.state``).
 
 **Binding.** ``register`` binds the state to its DDP model at once: the transport over the model's process group,
 DDP's ``bucket_cap_mb`` and the model's parameter names. ``hook()``'s state binds when DDP first calls the hook
@@ -62,7 +64,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..codec.validate import check_bool, check_real
-from ..exchange.plan import Bucket, plan_buckets
+from ..exchange.plan import Bucket, Delivery, plan_buckets
 from ..exchange.runner import Runner
 from ..exchange.state import ExchangeState, ExchangeStateView
 from ..transport.torch_distributed import TorchDistributedTransport
@@ -71,6 +73,7 @@ from .resolve import resolve_codec, resolve_warmup
 Parameter = torch.nn.Parameter
 DOOR = "hvdcomp.ddp"
 DDP_BUCKET_CAP_MB = 25.0  # DistributedDataParallel's default bucket_cap_mb
+DDP_FIRST_BUCKET_MB = 1.0  # and the cap of its first bucket with the default bucket_cap_mb
 
 
 class CompressionState(ExchangeStateView):
@@ -83,16 +86,17 @@ class CompressionState(ExchangeStateView):
     """
 
     __slots__ = ("transport", "_state", "_runner", "_hierarchical", "_group", "_bucket_size_mb", "_names", "_home",
-                 "_arrivals", "_destinations", "_futures", "_ready", "_next_launch", "_pending_load")
+                 "_arrivals", "_destinations", "_futures", "_ready", "_next_launch", "_pending_load", "_delivery")
 
     def __init__(self, state: ExchangeState, hierarchical: bool, process_group: Any, bucket_size_mb: float,
-                 names: dict[Parameter, str] | None) -> None:
+                 delivery: Delivery, names: dict[Parameter, str] | None) -> None:
         self.transport: TorchDistributedTransport | None = None  # bind()
         self._state = state
         self._runner: Runner | None = None
         self._hierarchical = hierarchical
         self._group = process_group  # None: the default group
         self._bucket_size_mb = bucket_size_mb
+        self._delivery = delivery  # DDP's bucket caps, which no codec bucket spans
         self._names = names  # the model's parameters in its order, named alike on every worker; None: by position
         self._home: dict[Parameter, Bucket] = {}
         self._arrivals: list[tuple[Parameter, torch.Tensor]] = []  # this step's gradients not yet delivered
@@ -174,7 +178,7 @@ class CompressionState(ExchangeStateView):
                 raise RuntimeError(f"DDP reduces {len(unknown)} parameters that ddp_model.parameters() does not list")
             order = {p: i for i, p in enumerate(self._names)}
             params, names = sorted({p for p, _ in self._arrivals}, key=order.__getitem__), self._names
-        self._state.plan = plan_buckets(params, names, self._bucket_size_mb)
+        self._state.plan = plan_buckets(params, names, self._bucket_size_mb, delivery=self._delivery)
         self._home = {p: b for b in self._state.plan for p in b.params}
         self._ready = {b: 0 for b in self._state.plan}
 
@@ -243,15 +247,15 @@ compression_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
 def _state(compression: Any, process_group: Any, hierarchical: bool | None, bucket_size_mb: float | None,
-           ddp_bucket_mb: float, names: dict[Parameter, str] | None) -> CompressionState:
+           delivery: Delivery, names: dict[Parameter, str] | None) -> CompressionState:
     """An unbound ``CompressionState`` for ``compression``; every argument checked, on every worker alike."""
     codec = resolve_codec(compression)
     if bucket_size_mb is None:
-        bucket_size_mb = codec.bucket_mb or ddp_bucket_mb
+        bucket_size_mb = codec.bucket_mb or delivery.rest_mb
     hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
     check_real("bucket_size_mb", bucket_size_mb, low_open=True)
     exchange_state = ExchangeState(codec, DOOR, {"hierarchical": hierarchical}, resolve_warmup(compression, None))
-    return CompressionState(exchange_state, hierarchical, process_group, bucket_size_mb, names)
+    return CompressionState(exchange_state, hierarchical, process_group, bucket_size_mb, delivery, names)
 
 
 def register(ddp_model: DistributedDataParallel, compression: Any, process_group: Any = None,
@@ -274,8 +278,9 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
             process group and equal nodes of consecutive ranks, as torchrun places them). ``None`` or
             ``False``: over all workers (see the module docstring for why that is the default).
         bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb``, 8 for ``FP16``, ``BF16``
-            and ``QSGDMaxNorm``'s scale agreed ahead, else the DDP model's ``bucket_cap_mb``); the codec's state and
-            results depend on it, not on DDP's buckets.
+            and ``QSGDMaxNorm``'s scale agreed ahead, else the DDP model's ``bucket_cap_mb``), cut where the DDP
+            model's caps will cut its buckets; the codec's state and results depend on these, not on the buckets
+            DDP uses in a step.
 
     Returns:
         the ``CompressionState``: ``stats``, ``state_dict()``, ``load_state_dict()``.
@@ -285,7 +290,9 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
                         f"{type(ddp_model).__name__}")
     group = process_group if process_group is not None else ddp_model.process_group
     names = {p: name for name, p in ddp_model.named_parameters()}  # the model's order
-    state = _state(compression, group, hierarchical, bucket_size_mb, ddp_model.bucket_bytes_cap / 2**20, names)
+    cap_mb = ddp_model.bucket_bytes_cap / 2**20
+    delivery = Delivery(DDP_FIRST_BUCKET_MB if ddp_model.bucket_bytes_cap_default else cap_mb, cap_mb)
+    state = _state(compression, group, hierarchical, bucket_size_mb, delivery, names)
     state.bind()
     ddp_model.register_comm_hook(state, compression_hook)
     return state
@@ -305,8 +312,12 @@ def hook(compression: Any, process_group: Any = None, hierarchical: bool | None 
         hierarchical: as for ``register``.
         bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb`` where it has one, else 25,
             DDP's default ``bucket_cap_mb``, as ``register`` takes it from a DDP model built with the defaults).
+            The codec buckets are cut where DDP's buckets will be under its default caps (1 MiB, then 25 MiB);
+            for a model built with another ``bucket_cap_mb`` the results are the same on every worker, but a
+            codec bucket may wait for two of DDP's buckets (``register`` reads the model's caps).
 
     Returns:
         the ``CompressionState`` (``stats``, ``state_dict()``, ``load_state_dict()``) and ``compression_hook``.
     """
-    return _state(compression, process_group, hierarchical, bucket_size_mb, DDP_BUCKET_CAP_MB, None), compression_hook
+    delivery = Delivery(DDP_FIRST_BUCKET_MB, DDP_BUCKET_CAP_MB)
+    return _state(compression, process_group, hierarchical, bucket_size_mb, delivery, None), compression_hook
