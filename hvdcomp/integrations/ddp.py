@@ -299,7 +299,7 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
 
 
 def hook(compression: Any, process_group: Any = None, hierarchical: bool | None = None,
-         bucket_size_mb: float | None = None) -> tuple[CompressionState, Any]:
+         bucket_size_mb: float | None = None, bucket_cap_mb: float | None = None) -> tuple[CompressionState, Any]:
     """``(state, compression_hook)`` for ``ddp_model.register_comm_hook(state, hook)``, torch's convention, e.g.
     ``lightning.pytorch.strategies.DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``.
 
@@ -310,14 +310,19 @@ def hook(compression: Any, process_group: Any = None, hierarchical: bool | None 
         compression: as for ``register``.
         process_group: the workers to average over: the DDP model's (default: the default process group).
         hierarchical: as for ``register``.
-        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb`` where it has one, else 25,
-            DDP's default ``bucket_cap_mb``, as ``register`` takes it from a DDP model built with the defaults).
-            The codec buckets are cut where DDP's buckets will be under its default caps (1 MiB, then 25 MiB);
-            for a model built with another ``bucket_cap_mb`` the results are the same on every worker, but a
-            codec bucket may wait for two of DDP's buckets (``register`` reads the model's caps).
+        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb`` where it has one, else the
+            DDP model's ``bucket_cap_mb``, as ``register`` takes it).
+        bucket_cap_mb: the ``bucket_cap_mb`` the DDP model was built with, where it was given one (default: DDP's
+            default caps, 1 MiB for its first bucket, then 25 MiB). The codec buckets are cut where these caps cut
+            DDP's buckets, as ``register`` cuts them from the model's caps; with other caps than the model's the
+            results are still the same on every worker, but a codec bucket may wait for two of DDP's buckets.
 
     Returns:
         the ``CompressionState`` (``stats``, ``state_dict()``, ``load_state_dict()``) and ``compression_hook``.
     """
-    delivery = Delivery(DDP_FIRST_BUCKET_MB, DDP_BUCKET_CAP_MB)
+    if bucket_cap_mb is None:
+        delivery = Delivery(DDP_FIRST_BUCKET_MB, DDP_BUCKET_CAP_MB)
+    else:
+        check_real("bucket_cap_mb", bucket_cap_mb, low_open=True)
+        delivery = Delivery(bucket_cap_mb, bucket_cap_mb)  # DDP's first bucket takes a given cap too
     return _state(compression, process_group, hierarchical, bucket_size_mb, delivery, None), compression_hook
