@@ -405,5 +405,6 @@ def test_default_codec_buckets_are_the_codecs_bucket_mb_else_ddps(name, args, de
     given_cap = hvdcomp.ddp.hook(make(), bucket_cap_mb=10.0)[0]  # the model's cap: default buckets and DDP's cuts
     assert given_cap._bucket_size_mb == (10.0 if default_mb == 25.0 else default_mb)
     assert given_cap._delivery == Delivery(10.0, 10.0) and hvdcomp.ddp.hook(make())[0]._delivery == Delivery(1.0, 25.0)
+    assert hvdcomp.ddp.hook(make(), bucket_cap_mb=25.0)[0]._delivery == Delivery(1.0, 25.0)  # as register reads it
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         hvdcomp.ddp.hook(make(), bucket_cap_mb=0)

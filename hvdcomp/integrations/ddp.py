@@ -246,6 +246,12 @@ compression_hook.__annotations__.update(bucket=dist.GradBucket, state=Compressio
 compression_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
+def _ddp_delivery(cap_mb: float) -> Delivery:
+    """DDP's buckets for ``bucket_cap_mb`` = ``cap_mb``: its first is 1 MiB under the default cap, else ``cap_mb``. A
+    25 MiB cap given explicitly makes DDP's first bucket 25 MiB; planning it as 1 MiB only adds one cut inside it."""
+    return Delivery(DDP_FIRST_BUCKET_MB if cap_mb == DDP_BUCKET_CAP_MB else cap_mb, cap_mb)
+
+
 def _state(compression: Any, process_group: Any, hierarchical: bool | None, bucket_size_mb: float | None,
            delivery: Delivery, names: dict[Parameter, str] | None) -> CompressionState:
     """An unbound ``CompressionState`` for ``compression``; every argument checked, on every worker alike."""
@@ -290,9 +296,8 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
                         f"{type(ddp_model).__name__}")
     group = process_group if process_group is not None else ddp_model.process_group
     names = {p: name for name, p in ddp_model.named_parameters()}  # the model's order
-    cap_mb = ddp_model.bucket_bytes_cap / 2**20
-    delivery = Delivery(DDP_FIRST_BUCKET_MB if ddp_model.bucket_bytes_cap_default else cap_mb, cap_mb)
-    state = _state(compression, group, hierarchical, bucket_size_mb, delivery, names)
+    state = _state(compression, group, hierarchical, bucket_size_mb, _ddp_delivery(ddp_model.bucket_bytes_cap / 2**20),
+                   names)
     state.bind()
     ddp_model.register_comm_hook(state, compression_hook)
     return state
@@ -320,9 +325,7 @@ def hook(compression: Any, process_group: Any = None, hierarchical: bool | None 
     Returns:
         the ``CompressionState`` (``stats``, ``state_dict()``, ``load_state_dict()``) and ``compression_hook``.
     """
-    if bucket_cap_mb is None:
-        delivery = Delivery(DDP_FIRST_BUCKET_MB, DDP_BUCKET_CAP_MB)
-    else:
+    if bucket_cap_mb is not None:
         check_real("bucket_cap_mb", bucket_cap_mb, low_open=True)
-        delivery = Delivery(bucket_cap_mb, bucket_cap_mb)  # DDP's first bucket takes a given cap too
+    delivery = _ddp_delivery(DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
     return _state(compression, process_group, hierarchical, bucket_size_mb, delivery, None), compression_hook
