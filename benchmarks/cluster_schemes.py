@@ -1,5 +1,5 @@
-"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with optional ``:hier``, ``:two_stage`` and
-``:hsdp`` suffixes (in that order).
+"""Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with optional ``:hier`` or ``:auto``,
+``:two_stage`` and ``:hsdp`` suffixes (in that order).
 
 Families:
 
@@ -20,6 +20,10 @@ Families:
   (``reduce_dtype=torch.bfloat16``);
 - ``hvdcomp-fsdp``: FSDP2 with ``hvdcomp.fsdp.register``'s reduce-scatter and the ``hvdcomp-ddp`` codec of the
   element-wise variants (``none``, ``fp16``, ``qsgd<bits>``, ``multiscale48``, ``randk1``).
+
+``:auto`` (``hvdcomp:birder`` and ``hvdcomp-ddp:birder``) leaves the route open (``hierarchical=None``, Birder's
+default): Birder times both routes on its first steps (``hvdcomp.exchange.route``; give ``--warmup`` at least
+``2 (TRIAL_ROUNDS + 1) + 1`` steps to time the route it keeps). Without ``:hier`` or ``:auto``, ``hierarchical=False``.
 
 ``:two_stage`` (``hvdcomp:qsgd<bits>`` and ``hvdcomp:birder``) passes ``exchange="two_stage"``: the
 constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes. ``:hsdp`` (``fsdp`` and
@@ -66,14 +70,20 @@ QUICK = ("horovod:fp32", "horovod:fp16", "ddp:fp16", "hvdcomp:none", "hvdcomp:qs
 class Scheme:
     family: str
     variant: str
-    hierarchical: bool = False
+    hierarchical: bool | None = False  # None: the route left open (``:auto``)
     two_stage: bool = False
     hsdp: bool = False
 
     @property
     def name(self) -> str:
-        return (f"{self.family}:{self.variant}" + (":hier" if self.hierarchical else "")
-                + (":two_stage" if self.two_stage else "") + (":hsdp" if self.hsdp else ""))
+        route = ":hier" if self.hierarchical else ":auto" if self.hierarchical is None else ""
+        return f"{self.family}:{self.variant}{route}" + (":two_stage" if self.two_stage else "") + (
+            ":hsdp" if self.hsdp else "")
+
+    @property
+    def node_sets(self) -> bool:
+        """Whether Horovod workers need node-local process sets (a hierarchical route, or one left open)."""
+        return self.hierarchical is not False
 
     @property
     def exchange(self) -> str:
@@ -102,22 +112,27 @@ def parse_scheme(name: str) -> Scheme:
     parts = name.strip().split(":")
     family, variant, suffixes = (parts + [""])[0], (parts + [""])[1], parts[2:]
     hierarchical, two_stage, hsdp = "hier" in suffixes, "two_stage" in suffixes, "hsdp" in suffixes
+    route_open = "auto" in suffixes
     known = FAMILIES.get(family, ())
     valid = variant in known or ("qsgd<bits>" in known and QSGD.fullmatch(variant) is not None)
-    in_order = suffixes == [s for s in ("hier", "two_stage", "hsdp") if s in suffixes]
+    in_order = suffixes == [s for s in ("hier", "auto", "two_stage", "hsdp") if s in suffixes]
     if len(parts) < 2 or not in_order or not valid:
         choices = "; ".join(f"{f}:{{{','.join(v)}}}" for f, v in FAMILIES.items())
         raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp and hvdcomp-ddp "
-                         "ones with an optional :hier suffix, hvdcomp:qsgd<bits> and hvdcomp:birder with :two_stage, "
+                         "ones with an optional :hier suffix (:auto for their birder), hvdcomp:qsgd<bits> and "
+                         "hvdcomp:birder with :two_stage, "
                          "fsdp and hvdcomp-fsdp ones with :hsdp")
     if hierarchical and family not in HIERARCHICAL_FAMILIES:
         raise ValueError(f"scheme {name!r}: only hvdcomp and hvdcomp-ddp schemes have a hierarchical (:hier) "
                          "variant")
+    if route_open and (hierarchical or family not in HIERARCHICAL_FAMILIES or variant != "birder"):
+        raise ValueError(f"scheme {name!r}: only hvdcomp:birder and hvdcomp-ddp:birder leave the route open (:auto, "
+                         "not with :hier); the other hvdcomp schemes' default route is flat")
     if two_stage and (family != "hvdcomp" or not (variant == "birder" or QSGD.fullmatch(variant))):
         raise ValueError(f"scheme {name!r}: only hvdcomp:qsgd<bits> and hvdcomp:birder have a :two_stage variant")
     if hsdp and family not in HSDP_FAMILIES:
         raise ValueError(f"scheme {name!r}: only fsdp and hvdcomp-fsdp schemes have an HSDP (:hsdp) variant")
-    return Scheme(family, variant, hierarchical, two_stage, hsdp)
+    return Scheme(family, variant, None if route_open else hierarchical, two_stage, hsdp)
 
 
 def default_schemes(workers_per_node: int) -> list[str]:

@@ -82,12 +82,13 @@ def _hvdcomp_compression(variant: str, bits: int | None, scale: str = "ahead") -
 
 
 def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
-    """horovod:*, stock:* and hvdcomp:* schemes (hvd.init here; hierarchical ones with dynamic process sets)."""
+    """horovod:*, stock:* and hvdcomp:* schemes (hvd.init here; with dynamic process sets where the route is
+    hierarchical or open)."""
     import horovod.torch as hvd
 
     import hvdcomp
 
-    hvd.init(process_sets="dynamic" if scheme.hierarchical else None)
+    hvd.init(process_sets="dynamic" if scheme.node_sets else None)
     module = LinearLoss(model, hvd.rank())
     named = list(model.named_parameters())
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-error-feedback", action="store_true", help="randk: rescale by numel/k instead")
     p.add_argument("--hierarchical", action=argparse.BooleanOptionalAction, default=None,
                    help="full precision inside nodes, compressed between; default: as horovodrun "
-                        "--hierarchical-allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE) says (Birder: on)")
+                        "--hierarchical-allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE) says (Birder: the faster, timed)")
     p.add_argument("--warmup-steps", type=int, default=0, help="exchange uncompressed for the first steps")
     p.add_argument("--rotate", action="store_true", help="qsgd, qsgd-multiscale: randomized Hadamard rotation")
     p.add_argument("--elastic", action="store_true",

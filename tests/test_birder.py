@@ -15,6 +15,7 @@ from hvdcomp.exchange.cost import choose_inter_node
 from hvdcomp.exchange.hierarchy import shard_length
 from hvdcomp.exchange.onebit import hierarchical_one_bit_mean, one_bit_mean
 from hvdcomp.exchange.protocol import Op, Placement, relay
+from hvdcomp.exchange.route import TRIAL_ROUNDS, RouteTrial
 from hvdcomp.exchange.simulator import simulate
 from hvdcomp.exchange.state import ConfigurationMismatchError
 from hvdcomp.integrations.birder import Birder, simulate_step
@@ -215,7 +216,7 @@ def _set_grads(params, rank, step, nan=False):
 
 
 def _workers(world_size, seed=5, **kwargs):
-    kwargs = {"lr": 0.01, "weight_decay": 0.1, **kwargs}
+    kwargs = {"lr": 0.01, "weight_decay": 0.1, "hierarchical": True, **kwargs}
     params = [_params() for _ in range(world_size)]
     return params, [Birder(p, seed=seed, **kwargs) for p in params]
 
@@ -333,7 +334,7 @@ def test_bits_per_element_on_the_wire():
     """The documented rates for a large vector, 2 nodes x 2 workers (allgather between nodes)."""
     numel = 310_000  # chunk 155_000: whole words and bytes, so the rates are exact
     params = [[torch.nn.Parameter(torch.zeros(numel))] for _ in range(4)]
-    opts = [Birder(p, lr=0.1) for p in params]
+    opts = [Birder(p, lr=0.1, hierarchical=True) for p in params]
     for rank, p in enumerate(params):
         p[0].grad = torch.full((numel,), float(rank) - 1.5)
     simulate_step(opts, local_size=2)
@@ -353,6 +354,119 @@ def test_flat_path_when_not_hierarchical_or_one_worker_per_node(local_size, hier
     s = stats[-1][0]
     assert s["route"] == "world:sum" and s["intra_node_bytes"] == 0
     assert s["inter_node_bytes"] == _world_sum_bytes(numel, 4)
+
+
+def _route_timed(monkeypatch, faster_hierarchical):
+    """Trial steps take 1 s on the faster route and 2 s on the other (3 s on the worker whose trial is
+    ``faked.slowest``), whatever the clock says."""
+    record = RouteTrial.record
+
+    def faked(trial, seconds):
+        slow = 3.0 if trial is faked.slowest else 2.0
+        record(trial, 1.0 if trial.hierarchical == faster_hierarchical else slow)
+
+    faked.slowest = None
+
+    monkeypatch.setattr(RouteTrial, "record", faked)
+    return faked
+
+
+@pytest.mark.parametrize("faster_hierarchical", [False, True])
+def test_route_left_open_tries_both_then_keeps_the_faster(monkeypatch, faster_hierarchical):
+    """hierarchical=None on 2 nodes x 2: flat and hierarchical by turns (one untimed step of each, then
+    TRIAL_ROUNDS timed ones), then the verdict rides in the step's MAX of flags and every worker keeps it."""
+    _route_timed(monkeypatch, faster_hierarchical)
+    params, opts = _workers(4, hierarchical=None)
+    steps = 2 * (TRIAL_ROUNDS + 1)
+    stats = _run(params, opts, 2, steps + 3)
+    _assert_replicas_identical(params)
+    for rank in range(4):
+        routes = [step[rank]["route"].value.startswith("hierarchical") for step in stats]
+        assert routes == [False, True] * (TRIAL_ROUNDS + 1) + [faster_hierarchical] * 3
+    expected = (2.0, 1.0) if faster_hierarchical else (1.0, 2.0)
+    assert all(o.route_trial.choice is faster_hierarchical and o.route_trial.medians == expected for o in opts)
+    flags = [step[0]["control_bytes"] for step in stats]
+    assert flags[steps] == flags[steps + 1] + 8 * 2 * TRIAL_ROUNDS  # the trial's seconds in the same MAX
+    assert flags[steps + 1] == flags[steps - 1]
+
+
+def test_route_verdict_follows_the_slowest_worker(monkeypatch):
+    """Rank 0 alone finds flat 3 s against hierarchical 1 s, the others find it 2 s: MAX, so hierarchical."""
+    faked = _route_timed(monkeypatch, True)
+    params, opts = _workers(4, hierarchical=None)
+    _run(params, opts, 2, 1)  # untimed
+    faked.slowest = opts[0].route_trial
+    _run(params, opts, 2, 2 * (TRIAL_ROUNDS + 1), first_step=1)
+    assert all(o.route_trial.choice and o.route_trial.medians == (3.0, 1.0) for o in opts)
+
+
+@pytest.mark.parametrize("local_size", [1, 4])
+def test_route_left_open_without_two_levels_is_flat_and_untried(local_size):
+    params, opts = _workers(4, hierarchical=None)
+    stats = _run(params, opts, local_size, 3)
+    assert all(o.route_trial is None for o in opts)
+    assert {s["route"] for step in stats for s in step} == {"world:sum"}
+
+
+@pytest.mark.parametrize("faster_hierarchical", [False, True])
+def test_route_verdict_is_saved_and_a_resume_is_exact(monkeypatch, faster_hierarchical):
+    """A checkpoint after the verdict resumes on its route, exactly; one taken during the trial starts it again."""
+    _route_timed(monkeypatch, faster_hierarchical)
+    params, opts = _workers(4, hierarchical=None)
+    steps = 2 * (TRIAL_ROUNDS + 1) + 1
+    _run(params, opts, 2, 3)
+    during = [o.state_dict() for o in opts]
+    _run(params, opts, 2, steps - 3, first_step=3)
+    saved = [([p.detach().clone() for p in ps], o.state_dict()) for ps, o in zip(params, opts)]
+    assert {state["birder"]["route"] for _, state in saved} == {faster_hierarchical}
+    assert {state["birder"]["route"] for state in during} == {None}
+    _run(params, opts, 2, 3, first_step=steps)
+
+    resumed_params = [[torch.nn.Parameter(t.clone()) for t in tensors] for tensors, _ in saved]
+    resumed = [Birder(p, lr=0.01, seed=5) for p in resumed_params]
+    for o, (_, state) in zip(resumed, saved):
+        o.load_state_dict(state)
+    assert resumed[0].state_dict()["birder"]["route"] is faster_hierarchical  # kept before the first step too
+    stats = _run(resumed_params, resumed, 2, 3, first_step=steps)
+    assert all(o.route_trial.choice is faster_hierarchical and o.route_trial.medians is None for o in resumed)
+    assert {step[0]["route"].value.startswith("hierarchical") for step in stats} == {faster_hierarchical}
+    for a_list, b_list in zip(params, resumed_params):
+        for a, b in zip(a_list, b_list):
+            assert torch.equal(a, b)
+
+    again = [Birder(p, lr=0.01, seed=5) for p in resumed_params]
+    for o, state in zip(again, during):
+        o.load_state_dict(state)
+    stats = _run(resumed_params, again, 2, 2, first_step=3)
+    assert [step[0]["route"] for step in stats] == ["world:sum", "hierarchical:allgather"]
+
+
+def test_workers_holding_different_route_verdicts_refuse_on_every_worker():
+    params, opts = _workers(2, hierarchical=None)
+    states = [o.state_dict() for o in opts]
+    states[1]["birder"]["route"] = True
+    for o, state in zip(opts, states):
+        o.load_state_dict(state)
+    with pytest.raises(ConfigurationMismatchError, match="route"):
+        _run(params, opts, 2, 1)
+
+
+def test_route_left_open_over_a_transport_without_node_collectives_is_flat():
+    """Over Horovod without dynamic process sets, ``check_hierarchy`` raises: only the flat route runs."""
+    class TwoNodes(EchoTransport):
+        def __init__(self, refuses):
+            super().__init__(size=4)
+            self.local_size, self.cross_size, self.refuses = 2, 2, refuses
+
+        def check_hierarchy(self):
+            if self.refuses:
+                raise RuntimeError("no dynamic process sets")
+
+    for refuses in (True, False):  # a trial's first step is flat too
+        optimizer = Birder([torch.nn.Parameter(torch.zeros(300))], lr=0.1, transport=TwoNodes(refuses))
+        optimizer.param_groups[0]["params"][0].grad = torch.randn(300)
+        optimizer.step()
+        assert (optimizer.route_trial is None) is refuses and optimizer.route == "world:sum"
 
 
 def test_no_elements():
@@ -473,7 +587,7 @@ def test_resume_is_exact():
     _run(params, opts, 2, 3, first_step=3)
 
     resumed_params = [[torch.nn.Parameter(t.clone()) for t in tensors] for tensors, _ in saved]
-    resumed = [Birder(p, lr=0.5, seed=99) for p in resumed_params]  # lr, seed come from the state dict
+    resumed = [Birder(p, lr=0.5, seed=99, hierarchical=True) for p in resumed_params]  # lr, seed: the state's
     for opt, (_, state) in zip(resumed, saved):
         opt.load_state_dict(state)
     assert resumed[0].param_groups[0]["lr"] == 0.01
@@ -597,11 +711,12 @@ def test_hierarchical_needs_nodes_covering_the_workers():
     class Subset:  # e.g. a Horovod process set of 3 workers on 2 nodes of 2
         rank, size, local_size, local_rank, cross_size, equal_nodes = 0, 3, 2, 0, 2, True
 
-    opt = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    opt = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=True)
     with pytest.raises(ValueError, match="hold all 3 workers.*hierarchical=False"):
         next(opt.step_exchange(Subset()))
-    flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
-    assert next(flat.step_exchange(Subset()))[0] is Op.MAX
+    for hierarchical in (False, None):  # None: the route is left open, and only the flat one can run
+        flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=hierarchical)
+        assert next(flat.step_exchange(Subset()))[0] is Op.MAX
 
 
 @pytest.mark.parametrize("rank,local_size,cross_size", [(0, 2, 2), (1, 2, 1), (2, 1, 2)])
@@ -610,9 +725,10 @@ def test_uneven_nodes_refuse_hierarchical_on_every_rank(rank, local_size, cross_
     view = type("View", (), {"rank": rank, "size": 3, "local_size": local_size, "local_rank": rank % 2,
                              "cross_size": cross_size, "equal_nodes": False})
     with pytest.raises(ValueError, match="every node.*hierarchical=False"):
-        next(Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1).step_exchange(view()))
-    flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=False)
-    assert next(flat.step_exchange(view()))[0] is Op.MAX
+        next(Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=True).step_exchange(view()))
+    for hierarchical in (False, None):
+        flat = Birder([torch.nn.Parameter(torch.zeros(3))], lr=0.1, hierarchical=hierarchical)
+        assert next(flat.step_exchange(view()))[0] is Op.MAX
     assert Placement(rank, 4, 2).equal_nodes and not Placement(rank, 3, 2).equal_nodes
 
 

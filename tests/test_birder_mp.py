@@ -1,5 +1,5 @@
 """Birder in real Horovod workers: flat (Gloo, np=2), hierarchical over 2 emulated nodes x 2 (Gloo,
-dynamic process sets) and over mpi4py (mpirun, ``MPITransport(local_size=2)``).
+dynamic process sets) and over mpi4py (mpirun, ``MPITransport(local_size=2)``); the route left open over 2 x 2.
 
 One launch per configuration. Each worker runs a few steps on synthetic gradients (one step with a NaN
 on rank 1, which every worker must skip), checkpoints half-way and resumes from the checkpoint into
@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from hvdcomp.exchange.cost import choose_inter_node
+from hvdcomp.exchange.route import TRIAL_ROUNDS
 from hvdcomp.integrations.birder import Birder, simulate_step
 from tests.harness import run_function
 
 SHAPES = [(40, 25), (7,), (3, 3)]  # params[2]'s gradient is always zero
 STEPS, CHECKPOINT, NAN_STEP = 5, 2, 3
-OPTIONS = {"lr": 0.01, "beta": 0.9, "weight_decay": 0.05, "seed": 11}
+OPTIONS = {"lr": 0.01, "beta": 0.9, "weight_decay": 0.05, "seed": 11, "hierarchical": True}
 
 
 def _params():
@@ -158,6 +159,49 @@ def test_hierarchical_gloo_two_nodes():
     s = _check(results, 4, 2, "auto")
     assert s["route"] == "hierarchical:allgather"
     assert 32 * s["inter_node_bytes"] / s["uncompressed_bytes"] == pytest.approx(0.5, rel=0.01)  # 1 bit per node
+
+
+def _open_route_worker(steps):
+    """``hierarchical=None``: the route trial's steps (one skipped for a NaN on rank 1), its verdict, and after."""
+    import warnings
+
+    import horovod.torch as hvd
+
+    params = _params()
+    optimizer = Birder(params, **{**OPTIONS, "hierarchical": None})
+    routes = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the NaN step's
+        for step in range(steps):
+            _set_grads(params, hvd.rank(), step)
+            optimizer.step()
+            routes.append(None if step == NAN_STEP else optimizer.route.value)
+    hvd.barrier()
+    trial = optimizer.route_trial
+    return {"params": [p.detach() for p in params], "routes": routes,
+            "trial": None if trial is None else (trial.choice, trial.medians)}
+
+
+@pytest.mark.parametrize("dynamic_sets", [True, False])
+def test_route_left_open_gloo_two_nodes(dynamic_sets):
+    """2 emulated nodes x 2: both routes by turns, then every worker on the same verdict, replicas equal;
+    without dynamic process sets (no node-local collectives over Horovod) only the flat route, untried."""
+    rounds = TRIAL_ROUNDS
+    steps = 2 * (rounds + 1) + 4  # the trial, one skipped step, three after the verdict
+    results = run_function(_open_route_worker, np=4, hosts="localhost:2,127.0.0.1:2", kwargs={"steps": steps},
+                           init_kwargs={"process_sets": "dynamic"} if dynamic_sets else None, timeout=180)
+    for r in results:
+        for a, b in zip(r["params"], results[0]["params"]):
+            assert torch.equal(a, b)
+        assert r["trial"] == results[0]["trial"] and r["routes"] == results[0]["routes"]
+    routes = [route for route in results[0]["routes"] if route is not None]
+    if not dynamic_sets:
+        assert results[0]["trial"] is None and set(routes) == {"world:sum"}
+        return
+    choice, (flat_s, hierarchical_s) = results[0]["trial"]
+    assert choice == (hierarchical_s < flat_s) and flat_s > 0 and hierarchical_s > 0
+    assert routes[:2 * (rounds + 1)] == ["world:sum", "hierarchical:allgather"] * (rounds + 1)
+    assert set(routes[2 * (rounds + 1):]) == {"hierarchical:allgather" if choice else "world:sum"}
 
 
 @pytest.mark.mpi

@@ -56,6 +56,10 @@ def test_scheme_names():
     assert two_stage == Scheme("hvdcomp", "qsgd8", True, True) and two_stage.exchange == "two_stage"
     assert two_stage.scale == "exact" and parse_scheme("hvdcomp:qsgd8").scale == "ahead"
     assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
+    for name in ("hvdcomp:birder:auto", "hvdcomp-ddp:birder:auto", "hvdcomp:birder:auto:two_stage"):
+        scheme = parse_scheme(name)  # the route left open: Birder's default
+        assert scheme.name == name and scheme.hierarchical is None and scheme.node_sets
+    assert parse_scheme("hvdcomp:birder:hier").node_sets and not parse_scheme("hvdcomp:birder").node_sets
     assert parse_scheme("hvdcomp:qsgd8").exchange == "lanes"
     for name in (*FSDP_DEFAULT, *FSDP_HIERARCHICAL_DEFAULT, "fsdp:fp32:hsdp", "hvdcomp-fsdp:randk1"):
         assert parse_scheme(name).name == name and parse_scheme(name).torch_distributed
@@ -65,7 +69,8 @@ def test_scheme_names():
                 "mpi:fp32", "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
                 "hvdcomp:fp16:two_stage", "hvdcomp-ddp:qsgd4:two_stage", "hvdcomp:qsgd4:two_stage:hier",
                 "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier", "hvdcomp-fsdp:powersgd1", "fsdp:fp16",
-                "hvdcomp-ddp:qsgd4:hsdp", "hvdcomp-fsdp:qsgd4:hier", "fsdp:fp32:hsdp:two_stage"):
+                "hvdcomp-ddp:qsgd4:hsdp", "hvdcomp-fsdp:qsgd4:hier", "fsdp:fp32:hsdp:two_stage", "hvdcomp:qsgd4:auto",
+                "hvdcomp:birder:hier:auto", "hvdcomp:birder:auto:hier", "ddp:fp32:auto", "hvdcomp-fsdp:none:auto"):
         with pytest.raises(ValueError, match="scheme"):
             parse_scheme(bad)
     assert default_schemes(1) == list(DEFAULT + FSDP_DEFAULT)

@@ -270,7 +270,7 @@ def test_birder_steps_fused_equal_eager(world_size, local_size, scope, exchange)
         for _ in range(world_size):
             params = [torch.nn.Parameter(torch.ones(shape)) for shape in shapes]
             workers.append((params, Birder([{"params": params[:2]}, {"params": params[2:], "beta": 0.5}], lr=0.01,
-                                           weight_decay=0.1, seed=4, exchange=exchange)))
+                                           weight_decay=0.1, seed=4, exchange=exchange, hierarchical=True)))
         for step in range(3):
             for rank, (params, _) in enumerate(workers):
                 gen = torch.Generator().manual_seed(10 * step + rank)

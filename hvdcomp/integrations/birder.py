@@ -19,6 +19,9 @@ The bits and the mean are one whole draw's, and ``stats`` adds the chunks' (over
 **Routes** (``onebit.one_bit_route``). ``hierarchical=True`` with several nodes of several workers uses
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
 otherwise the workers' bits are summed in ``bit_length(W)``-bit lanes through ``Op.SUM`` (in chunks, above).
+Left open (``hierarchical=None``, Horovod's setting unset) on equal nodes of several workers that the transport
+connects by node, the first steps try both routes by turns, then the faster is kept (``hvdcomp.exchange.route``;
+``route_trial``); both draw the same bits from the same moments. ``state_dict`` holds the verdict.
 ``exchange="two_stage"`` replaces the inter-node stage (or the sum over all workers) by the two-stage
 1-bit exchange (about 2 bits per element at any node count), ``"auto"`` lets the cost model choose.
 ``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"``,
@@ -62,6 +65,7 @@ and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -69,13 +73,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..codec.onebit import apply_updates, zero_inactive
 from ..codec.packing import INT64_WORD_BITS, LaneLayout, lane_block_values
 from ..codec.random import stream_words
 from ..codec.validate import check_real
 from ..exchange.cost import EXCHANGES, INTER_NODE_VARIANTS
 from ..exchange.onebit import Route, drawn_lane_mean, drawn_route_mean, one_bit_route, world_chunks
 from ..exchange.protocol import Exchange, Op, Placement, Topology, Transport, drive, single
+from ..exchange.route import RouteTrial, runs_hierarchy
 from ..exchange.runner import Runner
 from ..exchange.simulator import simulate
 from ..exchange.state import agreement
@@ -112,7 +116,7 @@ class Birder(torch.optim.Optimizer):
         hierarchical: Hierarchical-1-bit-All-Reduce across nodes (needs equal nodes that cover all the
             transport's workers, else every worker raises at the first step; over Horovod, ``hvdcomp.init()``).
             ``False``, a single node, or one worker per node uses the exact 1-bit lane sum over all workers.
-            ``None``: as ``HOROVOD_HIERARCHICAL_ALLREDUCE`` says if it is set, else ``True``.
+            ``None``: ``HOROVOD_HIERARCHICAL_ALLREDUCE`` if set, else the faster, timed on the first steps (Routes).
         inter_node: ``"auto"`` (fewest bytes), ``"allgather"`` or ``"sum"`` between nodes.
         exchange: ``"lanes"`` (as ``inter_node`` says), ``"two_stage"`` or ``"auto"`` (see the module docstring).
         transport: carries the collectives (``HorovodTransport`` / ``MPITransport`` or alike); default
@@ -122,7 +126,8 @@ class Birder(torch.optim.Optimizer):
 
     A parameter without a gradient (``.grad`` None or ``requires_grad=False``) on every worker is skipped,
     weight decay included; on some workers only, they count it as zero. Workers hold the same parameters.
-    ``stats``: bytes and seconds of the last step and in total; ``route``: the last step's exchange.
+    ``stats``: bytes and seconds of the last step and in total; ``route``: the last step's exchange; ``route_trial``:
+    the timing of both routes where the route was left open (``RouteTrial``), else None.
     ``step_exchange(topology)`` is the step as an exchange generator (for ``simulate``; see ``simulate_step``).
     """
 
@@ -149,7 +154,7 @@ class Birder(torch.optim.Optimizer):
             raise ValueError("Birder: give a transport or a process_set, not both")
         self._layout: FlatLayout | None = None
         super().__init__(params, {"lr": lr, "beta": beta, "weight_decay": weight_decay})
-        self.hierarchical = resolve_hierarchical(hierarchical, default=True)
+        self.hierarchical = resolve_hierarchical(hierarchical, default=None)
         self.inter_node, self.exchange = inter_node, exchange
         self.seed = seed
         self._transport = transport
@@ -158,6 +163,8 @@ class Birder(torch.optim.Optimizer):
         self._warned_rank = False
         self._step = 0
         self.route: Route | None = None  # the last step's
+        self.route_trial: RouteTrial | None = None  # set at each agreement where the route is left open
+        self._saved_route: bool | None = None  # the route trial's verdict, from a loaded state
         self.stats = Statistics()
         self._runner: Runner | None = None
         self._agreed = False  # the settings were agreed since construction, a load or a re-synchronisation
@@ -232,14 +239,17 @@ class Birder(torch.optim.Optimizer):
         transport = self.transport
         self._runner = self._runner or Runner(transport, self.stats, "hvdcomp.birder")
         self._runner.begin_step()
-        update = drive(self._prepare(transport, self.stats.last_step), transport)
+        update = drive(self._prepare(transport, self.stats.last_step, runs_hierarchy(transport)), transport)
         if update is None:
             self._runner.drop()
             self.stats.end_step(skipped=True)
             return loss
+        started = time.perf_counter()
         for index, exchange in enumerate(self._update_exchanges(update)):  # each writes into Birder's buffers
             self._runner.launch_exchange(index, f"chunk{index}", exchange, lambda result: None)
         self._runner.finish()
+        if self.route_trial is not None:
+            self.route_trial.record(time.perf_counter() - started)
         self._step += 1
         return loss
 
@@ -249,26 +259,29 @@ class Birder(torch.optim.Optimizer):
         are summed one after another here; ``step()`` has their sums in flight together (the same result)."""
         topo = topology if topology is not None else self.transport
         traffic = self.stats.begin_step()
-        update = yield from self._prepare(topo, traffic)
+        update = yield from self._prepare(topo, traffic, hierarchy_runs=True)
         if update is None:
             self.stats.end_step(skipped=True)
             return None
+        started = time.perf_counter()
         for exchange in self._update_exchanges(update):
             yield from counted(exchange, traffic, topo)
+        if self.route_trial is not None:
+            self.route_trial.record(time.perf_counter() - started)
         self._step += 1
         self.stats.end_step()
         return None
 
-    def _prepare(self, topo: Topology, traffic: Traffic) -> Exchange:
+    def _prepare(self, topo: Topology, traffic: Traffic, hierarchy_runs: bool) -> Exchange:
         """The step's checks and agreement (the module docstring's flags and activity masks); returns the
-        ``_Update`` to exchange, or None when every worker skips the step."""
+        ``_Update`` to exchange, or None when every worker skips the step. ``hierarchy_runs``: ``runs_hierarchy``."""
         self._check_not_wrapped()
         if self.hierarchical and not topo.equal_nodes:  # agreed: every rank raises, or none
             raise ValueError("Birder: hierarchical=True needs the same number of workers on every node; "
                              "pass hierarchical=False")
         size, local_size, cross_size = topo.size, topo.local_size, topo.cross_size
-        hierarchical = self.hierarchical and cross_size > 1 and local_size > 1
-        if hierarchical and local_size * cross_size != size:
+        nodes_of_several = cross_size > 1 and local_size > 1
+        if self.hierarchical and nodes_of_several and local_size * cross_size != size:
             raise ValueError(
                 f"Birder: hierarchical=True needs the nodes ({cross_size} x {local_size}) to hold all {size} "
                 "workers of the exchange (e.g. no smaller process set); pass hierarchical=False"
@@ -283,11 +296,16 @@ class Birder(torch.optim.Optimizer):
         if not self._agreed:  # settings and parameters alike on every worker, or one clear error on each
             self._step, _ = yield from agreement("Birder", self._described(layout), self._step, self._resynced)
             self._agreed, self._resynced = True, False
-        grad = self._grad
+            both = nodes_of_several and topo.equal_nodes and local_size * cross_size == size and hierarchy_runs
+            self.route_trial = RouteTrial(choice=self._saved_route) if self.hierarchical is None and both else None
+        trial, grad = self.route_trial, self._grad
         has_grad, finite, fresh_here = layout.gather_grads(grad, None if self._all_active else self._active)
         flags = torch.tensor([float(not finite), float(finite and fresh_here), numel, -numel, *has_grad],
                              dtype=torch.float64)
+        if trial is not None:  # where its verdict is due, the route trial's seconds ride in the same MAX
+            flags = trial.ride(flags)
         flags = yield from counted(single(Op.MAX, flags), traffic, topo, control=True)
+        flags = flags if trial is None else trial.land(flags)
         if int(flags[2]) != numel or int(-flags[3]) != numel:
             raise RuntimeError(f"Birder: workers hold different parameter counts ({int(-flags[3])} to {int(flags[2])})")
         if flags[0] > 0:
@@ -303,13 +321,14 @@ class Birder(torch.optim.Optimizer):
             self._active.logical_or_(mask_layout.unpack(word_sums, numel) > 0)
             self._all_active = bool(self._active.all())
         traffic.uncompressed_bytes += 4 * numel
-        return _Update(layout, topo, hierarchical, (flags[4:] > 0).tolist())
+        hierarchical = self.hierarchical if self.hierarchical is not None else trial is not None and trial.hierarchical
+        return _Update(layout, topo, hierarchical and nodes_of_several, (flags[4:] > 0).tolist())
 
     def _described(self, layout: FlatLayout) -> dict[str, Any]:
         """What every worker must configure alike (``hvdcomp.exchange.state.agreement``)."""
         groups = tuple((g["lr"], g["beta"], g["weight_decay"], len(g["params"])) for g in self.param_groups)
-        return {"hierarchical": self.hierarchical, "inter_node": self.inter_node, "exchange": self.exchange,
-                "seed": self.seed, "groups": groups,
+        return {"hierarchical": self.hierarchical, "route": self._saved_route, "inter_node": self.inter_node,
+                "exchange": self.exchange, "seed": self.seed, "groups": groups,
                 "parameters": tuple((p.numel(), str(p.dtype)) for p in layout.params)}
 
     def _update_exchanges(self, update: _Update) -> list[Exchange]:
@@ -325,7 +344,8 @@ class Birder(torch.optim.Optimizer):
 
         def apply_through(end: int) -> None:
             nonlocal applied
-            applied = self._apply(layout, mean, updated, applied, end)
+            active = None if self._all_active else self._active
+            applied = layout.apply_update(self.param_groups, mean, active, updated, applied, end)
 
         if self.route is Route.WORLD_SUM and topo.size > 1:  # per chunk: moments and draw into summable lanes; update
             return [_then(drawn_lane_mean(m, b, draws, lo, hi, topo.size, self._mean, grad, runs), apply_through, hi)
@@ -340,23 +360,6 @@ class Birder(torch.optim.Optimizer):
             return mean
 
         return [whole()]
-
-    def _apply(self, layout: FlatLayout, mean: torch.Tensor, updated: list[bool], first: int, end: int) -> int:
-        """``x <- x - lr (u_bar + weight_decay x)`` (``u_bar``: ``mean``, 0 where inactive) for the ``updated``
-        parameters from index ``first`` on that end by element ``end``; returns the first one left."""
-        last = layout.ending_by(first, end)
-        if last > first and not self._all_active:
-            lo, hi = layout.offsets[first], layout.end(last - 1)
-            zero_inactive(mean[lo:hi], self._active[lo:hi])
-        chosen, keeps, steps = [], [], []
-        for group, indices in zip(self.param_groups, layout.group_indices):
-            lr, decay = group["lr"], group["weight_decay"]
-            picked = [i for i in range(max(first, indices.start), min(last, indices.stop)) if updated[i]]
-            chosen += picked
-            keeps += [1 - lr * decay] * len(picked)
-            steps += [-lr] * len(picked)
-        apply_updates([layout.params[i] for i in chosen], [layout.offsets[i] for i in chosen], keeps, steps, mean)
-        return last
 
     # -- checkpoints --------------------------------------------------------------------------
 

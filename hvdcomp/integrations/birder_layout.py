@@ -1,5 +1,5 @@
 """Birder's flat view of its parameters: where each one lives in the flat float32 buffers (``m``, ``b``, the
-gradient, the mean), which spans a step updates, and the flat gradient."""
+gradient, the mean), which spans a step updates, the flat gradient, and the update from the mean."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..codec.onebit import MomentRuns, gather_checked
+from ..codec.onebit import MomentRuns, apply_updates, gather_checked, zero_inactive
 
 
 def layout_key(param_groups: list[dict[str, Any]]) -> tuple:
@@ -75,3 +75,22 @@ class FlatLayout:
                 raise TypeError("Birder does not support sparse gradients")
         finite, fresh = gather_checked([None if g is None else g.detach() for g in grads], self.offsets, flat, active)
         return [float(g is not None) for g in grads], finite, fresh
+
+    def apply_update(self, param_groups: list[dict[str, Any]], mean: torch.Tensor, active: torch.Tensor | None,
+                     updated: list[bool], first: int, end: int) -> int:
+        """``x <- x - lr (u_bar + weight_decay x)`` (``u_bar``: ``mean``, zeroed here where ``active`` is False; None:
+        all active) for the ``updated`` parameters from index ``first`` on that end by element ``end``; returns the
+        first one left."""
+        last = self.ending_by(first, end)
+        if last > first and active is not None:
+            lo, hi = self.offsets[first], self.end(last - 1)
+            zero_inactive(mean[lo:hi], active[lo:hi])
+        chosen, keeps, steps = [], [], []
+        for group, indices in zip(param_groups, self.group_indices):
+            lr, decay = group["lr"], group["weight_decay"]
+            picked = [i for i in range(max(first, indices.start), min(last, indices.stop)) if updated[i]]
+            chosen += picked
+            keeps += [1 - lr * decay] * len(picked)
+            steps += [-lr] * len(picked)
+        apply_updates([self.params[i] for i in chosen], [self.offsets[i] for i in chosen], keeps, steps, mean)
+        return last

@@ -1,13 +1,14 @@
-"""Checkpoints of ``Birder``: this worker's moments, active mask, step count and seed; resuming at another
-world size; Horovod elastic re-synchronisation.
+"""Checkpoints of ``Birder``: this worker's moments, active mask, step count and seed, and the verdict of
+its route trial (``"route"``: True, False, or None where there was none); resuming at another world size;
+Horovod elastic re-synchronisation.
 
 Each worker must save and load its own (``m`` and ``b`` follow its own gradients) for an exact resume; the
 random streams are counter-based (keyed by seed, rank and step), so they need no state. Loaded into another
 number of workers (each may load any worker's checkpoint), the moments, the active mask (the same on every
 worker) and the step are kept, with a warning. Under ``hvd.elastic.TorchState(model=..., optimizer=birder)``
 the elastic re-synchronisation (``broadcast_optimizer_state`` calls ``step()``) agrees the active masks (a
-joining worker has none); each worker keeps its ``m`` and ``b`` (a joining one starts from zero) and draws
-from its current rank's streams, with one log line when anything was changed.
+joining worker has none) and starts the route trial again; each worker keeps its ``m`` and ``b`` (a joining
+one starts from zero) and draws from its current rank's streams, with one log line when anything was changed.
 """
 
 from __future__ import annotations
@@ -38,13 +39,23 @@ def birder_state(optimizer: Any) -> dict[str, Any]:
         "active": optimizer._active.clone(),
         "rank": optimizer._rank,
         "world_size": None if optimizer._transport is None else optimizer._transport.size,
+        "route": _route_verdict(optimizer),
     }
+
+
+def _route_verdict(optimizer: Any) -> bool | None:
+    """The route trial's verdict to save: the trial's since the last agreement, else the one loaded (None: none).
+    A load keeps it (a checkpoint taken during the trial starts it again)."""
+    if not optimizer._agreed:
+        return optimizer._saved_route
+    return None if optimizer.route_trial is None else optimizer.route_trial.choice
 
 
 def load_birder_state(optimizer: Any, state_dict: dict[str, Any],
                       load_torch_state: Callable[[dict[str, Any]], None]) -> None:
     """Load a Birder state dict: torch's part with ``load_torch_state``, then the ``"birder"`` entry;
-    ``ValueError`` (nothing loaded) if it is missing, lacks a key, or holds another element count."""
+    ``ValueError`` (nothing loaded) if it is missing, lacks a key, or holds another element count. ``"route"``
+    may be missing (a state saved before route trials): no verdict."""
     state_dict = dict(state_dict)
     birder = state_dict.pop("birder", None)
     if birder is None:
@@ -63,6 +74,7 @@ def load_birder_state(optimizer: Any, state_dict: dict[str, Any],
     optimizer._b.copy_(birder["b"])
     optimizer._active.copy_(birder["active"])
     optimizer._all_active = bool(optimizer._active.all())
+    optimizer._saved_route = birder.get("route")
     saved = birder["world_size"]  # None: stepped without a transport (simulate)
     size = None if saved is None else optimizer.transport.size
     if saved != size:
@@ -86,6 +98,7 @@ def resync_birder(optimizer: Any) -> None:
     transport = optimizer.transport
     transport.forget_topology()  # Horovod was initialised again
     optimizer._agreed, optimizer._resynced = False, True
+    optimizer._saved_route = None  # a joining worker has no verdict: every worker tries the routes again
     layout = optimizer._ensure_buffers()
     moved = optimizer._rank is not None and optimizer._rank != transport.rank
     optimizer._rank = transport.rank

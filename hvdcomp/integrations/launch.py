@@ -2,7 +2,8 @@
 
 ``horovodrun --hierarchical-allreduce`` exports ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` to every worker
 (``--no-hierarchical-allreduce``: ``0``). ``hierarchical=None`` (the default of ``DistributedOptimizer``
-and ``Birder``) follows it on every build, CPU or GPU; an explicit ``True`` / ``False`` wins.
+and ``Birder``) follows it on every build, CPU or GPU; an explicit ``True`` / ``False`` wins. Where it is not
+set, ``DistributedOptimizer`` exchanges over all workers and ``Birder`` times both routes on its first steps.
 
 A hierarchical exchange over Horovod runs its node-local and cross-node collectives over process sets
 of each node's workers and of the workers sharing a local rank. Which ranks share a node is known only
@@ -40,8 +41,9 @@ def horovod_hierarchical() -> bool | None:
     return int(value) > 0 if value.lstrip("+-").isdigit() else value in _TRUE_WORDS
 
 
-def resolve_hierarchical(hierarchical: bool | None, default: bool) -> bool:
-    """``hierarchical`` if given; else Horovod's setting (``HOROVOD_HIERARCHICAL_ALLREDUCE``); else ``default``."""
+def resolve_hierarchical(hierarchical: bool | None, default: bool | None) -> bool | None:
+    """``hierarchical`` if given; else Horovod's setting (``HOROVOD_HIERARCHICAL_ALLREDUCE``); else ``default``
+    (None: the door measures both routes, ``hvdcomp.exchange.route``)."""
     if hierarchical is not None:
         return bool(hierarchical)
     setting = horovod_hierarchical()

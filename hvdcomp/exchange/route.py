@@ -1,0 +1,98 @@
+"""The route left open: hierarchical or over all workers, chosen by timing both on the job's own steps.
+
+Bytes alone cannot choose. The hierarchical route sends fewer bytes between nodes, but first sums the
+full-precision values inside each node and gathers them again, and what that costs depends on the node's
+links and cores, which no byte count knows: on an emulated cluster of two nodes of two workers (1 Gbit/s
+between nodes, loopback inside them, two cores), Birder's hierarchical route took twice the flat route's
+time per step (docs/benchmarks.md#the-route-measured).
+
+So where the user left the route open and both routes can run, ``RouteTrial`` runs the first steps on
+the two routes by turns: one untimed step of each (first-use costs), then ``rounds`` timed steps of each,
+flat first. The step after them is the verdict: every worker's seconds are reduced by MAX (a step lasts as
+long as its slowest worker), so every worker holds the same numbers and takes the same route from then on,
+the hierarchical one only where its median step is shorter.
+
+The trial needs no collective of its own: the door sends ``seconds()`` in a MAX it makes anyway. It fits
+doors whose state does not depend on the route (Birder's moments); codecs that keep memory per bucket
+shard would leave one route's memory behind.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .protocol import Transport
+
+TRIAL_ROUNDS = 3  # timed steps of each route
+
+
+class RouteTrial:
+    """The route of each step while trying both (see the module docstring), then the faster one.
+
+    Per step: ``hierarchical`` says the step's route; if ``deciding``, the step first reduces ``seconds()``
+    by MAX over the workers and passes the result to ``decide`` (or ``ride`` and ``land``: in a MAX the door
+    makes anyway); after the step, ``record(its seconds)``.
+    ``choice`` is None until the verdict, then True (hierarchical) or False; given (a verdict saved with a
+    checkpoint), there is no trial."""
+
+    def __init__(self, rounds: int = TRIAL_ROUNDS, choice: bool | None = None) -> None:
+        if rounds < 1:
+            raise ValueError(f"a route trial needs at least one timed round, got {rounds}")
+        self.rounds = rounds
+        self.choice = choice
+        self.medians: tuple[float, float] | None = None  # flat, hierarchical seconds (MAX over the workers)
+        self._steps = 0
+        self._seconds: dict[bool, list[float]] = {False: [], True: []}
+
+    @property
+    def hierarchical(self) -> bool:
+        """This step's route: the verdict once made, else flat and hierarchical by turns."""
+        return self.choice if self.choice is not None else self._steps % 2 == 1
+
+    @property
+    def deciding(self) -> bool:
+        """Whether this step opens with the verdict (every trial step recorded, no verdict yet)."""
+        return self.choice is None and self._steps == 2 * (self.rounds + 1)
+
+    def record(self, seconds: float) -> None:
+        """The seconds of the step just run on ``hierarchical`` (after the verdict: ignored)."""
+        if self.choice is not None:
+            return
+        if self._steps >= 2:  # the first step of each route is not timed
+            self._seconds[self._steps % 2 == 1].append(seconds)
+        self._steps += 1
+
+    def seconds(self) -> torch.Tensor:
+        """float64 ``[2 rounds]``: this worker's timed steps, flat ones first (``deciding`` only)."""
+        if not self.deciding:
+            raise RuntimeError("the route trial has no verdict to reach at this step")
+        return torch.tensor(self._seconds[False] + self._seconds[True], dtype=torch.float64)
+
+    def ride(self, flags: torch.Tensor) -> torch.Tensor:
+        """float64 ``flags`` that the door reduces by MAX anyway, with ``seconds()`` after them where ``deciding``."""
+        return torch.cat([flags, self.seconds()]) if self.deciding else flags
+
+    def land(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``ride``'s tensor reduced by MAX: the verdict taken from its seconds (``decide``), the flags returned."""
+        if not self.deciding:
+            return reduced
+        self.decide(reduced[-2 * self.rounds:])
+        return reduced[:-2 * self.rounds]
+
+    def decide(self, slowest: torch.Tensor) -> bool:
+        """Take the verdict from ``seconds()`` reduced by MAX over the workers; returns the route chosen."""
+        if slowest.shape != (2 * self.rounds,):
+            raise ValueError(f"the route trial's verdict needs {2 * self.rounds} seconds, got {tuple(slowest.shape)}")
+        flat, hierarchical = (float(part.median()) for part in slowest.double().split(self.rounds))
+        self.medians = (flat, hierarchical)
+        self.choice = hierarchical < flat
+        return self.choice
+
+
+def runs_hierarchy(transport: Transport) -> bool:
+    """Whether ``transport`` runs node-local and cross-node collectives (``check_hierarchy`` does not raise)."""
+    try:
+        transport.check_hierarchy()
+    except RuntimeError:
+        return False
+    return True
