@@ -161,12 +161,18 @@ def test_hierarchical_gloo_two_nodes():
     assert 32 * s["inter_node_bytes"] / s["uncompressed_bytes"] == pytest.approx(0.5, rel=0.01)  # 1 bit per node
 
 
-def _open_route_worker(steps):
-    """``hierarchical=None``: the route trial's steps (one skipped for a NaN on rank 1), its verdict, and after."""
+def _open_route_worker(steps, faster_hierarchical):
+    """``hierarchical=None``: the route trial's steps (one skipped for a NaN on rank 1), its verdict (the trial's
+    steps timed 1 s on the ``faster_hierarchical`` route, 2 s on the other), and after."""
     import warnings
 
     import horovod.torch as hvd
+    from horovod.torch import mpi_ops
 
+    from hvdcomp.exchange.route import RouteTrial
+
+    record = RouteTrial.record
+    RouteTrial.record = lambda trial, seconds: record(trial, 1.0 if trial.hierarchical == faster_hierarchical else 2.0)
     params = _params()
     optimizer = Birder(params, **{**OPTIONS, "hierarchical": None})
     routes = []
@@ -179,29 +185,33 @@ def _open_route_worker(steps):
     hvd.barrier()
     trial = optimizer.route_trial
     return {"params": [p.detach() for p in params], "routes": routes,
-            "trial": None if trial is None else (trial.choice, trial.medians)}
+            "trial": None if trial is None else (trial.choice, trial.medians),
+            "process_sets": sorted(mpi_ops._basics._get_process_set_ids_and_ranks().values())}  # Horovod's table
 
 
-@pytest.mark.parametrize("dynamic_sets", [True, False])
-def test_route_left_open_gloo_two_nodes(dynamic_sets):
-    """2 emulated nodes x 2: both routes by turns, then every worker on the same verdict, replicas equal;
-    without dynamic process sets (no node-local collectives over Horovod) only the flat route, untried."""
+@pytest.mark.parametrize("dynamic_sets,faster_hierarchical", [(True, False), (True, True), (False, True)])
+def test_route_left_open_gloo_two_nodes(dynamic_sets, faster_hierarchical):
+    """2 emulated nodes x 2: both routes by turns, then every worker on the same verdict, replicas equal; a flat
+    verdict removes the node-local and cross-node process sets (Horovod coordinates each at every cycle). Without
+    dynamic process sets (no node-local collectives over Horovod) only the flat route, untried."""
     rounds = TRIAL_ROUNDS
     steps = 2 * (rounds + 1) + 4  # the trial, one skipped step, three after the verdict
-    results = run_function(_open_route_worker, np=4, hosts="localhost:2,127.0.0.1:2", kwargs={"steps": steps},
+    results = run_function(_open_route_worker, np=4, hosts="localhost:2,127.0.0.1:2",
+                           kwargs={"steps": steps, "faster_hierarchical": faster_hierarchical},
                            init_kwargs={"process_sets": "dynamic"} if dynamic_sets else None, timeout=180)
     for r in results:
         for a, b in zip(r["params"], results[0]["params"]):
             assert torch.equal(a, b)
         assert r["trial"] == results[0]["trial"] and r["routes"] == results[0]["routes"]
     routes = [route for route in results[0]["routes"] if route is not None]
+    sets = results[0]["process_sets"]
     if not dynamic_sets:
-        assert results[0]["trial"] is None and set(routes) == {"world:sum"}
+        assert results[0]["trial"] is None and set(routes) == {"world:sum"} and sets == [[0, 1, 2, 3]]
         return
-    choice, (flat_s, hierarchical_s) = results[0]["trial"]
-    assert choice == (hierarchical_s < flat_s) and flat_s > 0 and hierarchical_s > 0
+    assert results[0]["trial"] == (faster_hierarchical, (2.0, 1.0) if faster_hierarchical else (1.0, 2.0))
     assert routes[:2 * (rounds + 1)] == ["world:sum", "hierarchical:allgather"] * (rounds + 1)
-    assert set(routes[2 * (rounds + 1):]) == {"hierarchical:allgather" if choice else "world:sum"}
+    assert set(routes[2 * (rounds + 1):]) == {"hierarchical:allgather" if faster_hierarchical else "world:sum"}
+    assert sets == ([[0, 1], [0, 1, 2, 3], [0, 2], [1, 3], [2, 3]] if faster_hierarchical else [[0, 1, 2, 3]])
 
 
 @pytest.mark.mpi

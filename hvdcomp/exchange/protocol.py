@@ -214,6 +214,10 @@ class Transport(Topology, Protocol):
         """Raise, on every worker alike and without a collective, where node-local and cross-node collectives
         cannot run. Default: they can."""
 
+    def release_hierarchy(self) -> None:
+        """Free, on every worker alike, what node-local and cross-node collectives hold once a door no longer needs
+        them (``HorovodTransport``: its process sets, which cost every collective). Default: nothing held."""
+
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any: ...
 
     def poll(self, handle: Any) -> bool: ...

@@ -19,6 +19,8 @@ shard would leave one route's memory behind.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .protocol import Transport
@@ -33,13 +35,16 @@ class RouteTrial:
     by MAX over the workers and passes the result to ``decide`` (or ``ride`` and ``land``: in a MAX the door
     makes anyway); after the step, ``record(its seconds)``.
     ``choice`` is None until the verdict, then True (hierarchical) or False; given (a verdict saved with a
-    checkpoint), there is no trial."""
+    checkpoint), there is no trial. ``release`` (``Transport.release_hierarchy``) is called by a flat verdict, on
+    every worker at the same point."""
 
-    def __init__(self, rounds: int = TRIAL_ROUNDS, choice: bool | None = None) -> None:
+    def __init__(self, rounds: int = TRIAL_ROUNDS, choice: bool | None = None,
+                 release: Callable[[], None] | None = None) -> None:
         if rounds < 1:
             raise ValueError(f"a route trial needs at least one timed round, got {rounds}")
         self.rounds = rounds
         self.choice = choice
+        self.release = release
         self.medians: tuple[float, float] | None = None  # flat, hierarchical seconds (MAX over the workers)
         self._steps = 0
         self._seconds: dict[bool, list[float]] = {False: [], True: []}
@@ -86,6 +91,8 @@ class RouteTrial:
         flat, hierarchical = (float(part.median()) for part in slowest.double().split(self.rounds))
         self.medians = (flat, hierarchical)
         self.choice = hierarchical < flat
+        if not self.choice and self.release is not None:
+            self.release()
         return self.choice
 
 

@@ -84,12 +84,10 @@ from ..exchange.runner import Runner
 from ..exchange.simulator import simulate
 from ..exchange.state import agreement
 from ..exchange.stats import Statistics, Traffic, counted
-from ..transport._compat import called_by_broadcast_optimizer_state
+from ..transport._compat import HOROVOD_WRAPPER_METHODS, called_by_broadcast_optimizer_state
 from .birder_layout import FlatLayout, layout_key
 from .birder_state import birder_state, load_birder_state, resync_birder
 from .launch import resolve_hierarchical
-
-_HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -173,11 +171,11 @@ class Birder(torch.optim.Optimizer):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # hvd.DistributedOptimizer builds type(name, (Birder,), dict(_DistributedOptimizer.__dict__)).
         super().__init_subclass__(**kwargs)
-        if any(name in cls.__dict__ for name in _HOROVOD_WRAPPER_METHODS):
+        if any(name in cls.__dict__ for name in HOROVOD_WRAPPER_METHODS):
             raise TypeError(_WRAPPED_MESSAGE)
 
     def _check_not_wrapped(self) -> None:
-        if any(hasattr(type(self), name) for name in _HOROVOD_WRAPPER_METHODS):
+        if any(hasattr(type(self), name) for name in HOROVOD_WRAPPER_METHODS):
             raise TypeError(_WRAPPED_MESSAGE)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -239,7 +237,7 @@ class Birder(torch.optim.Optimizer):
         transport = self.transport
         self._runner = self._runner or Runner(transport, self.stats, "hvdcomp.birder")
         self._runner.begin_step()
-        update = drive(self._prepare(transport, self.stats.last_step, runs_hierarchy(transport)), transport)
+        update = drive(self._prepare(transport, self.stats.last_step, transport), transport)
         if update is None:
             self._runner.drop()
             self.stats.end_step(skipped=True)
@@ -259,7 +257,7 @@ class Birder(torch.optim.Optimizer):
         are summed one after another here; ``step()`` has their sums in flight together (the same result)."""
         topo = topology if topology is not None else self.transport
         traffic = self.stats.begin_step()
-        update = yield from self._prepare(topo, traffic, hierarchy_runs=True)
+        update = yield from self._prepare(topo, traffic, None)
         if update is None:
             self.stats.end_step(skipped=True)
             return None
@@ -272,9 +270,9 @@ class Birder(torch.optim.Optimizer):
         self.stats.end_step()
         return None
 
-    def _prepare(self, topo: Topology, traffic: Traffic, hierarchy_runs: bool) -> Exchange:
+    def _prepare(self, topo: Topology, traffic: Traffic, transport: Transport | None) -> Exchange:
         """The step's checks and agreement (the module docstring's flags and activity masks); returns the
-        ``_Update`` to exchange, or None when every worker skips the step. ``hierarchy_runs``: ``runs_hierarchy``."""
+        ``_Update`` to exchange, or None when every worker skips the step. ``transport``: None where simulated."""
         self._check_not_wrapped()
         if self.hierarchical and not topo.equal_nodes:  # agreed: every rank raises, or none
             raise ValueError("Birder: hierarchical=True needs the same number of workers on every node; "
@@ -296,8 +294,10 @@ class Birder(torch.optim.Optimizer):
         if not self._agreed:  # settings and parameters alike on every worker, or one clear error on each
             self._step, _ = yield from agreement("Birder", self._described(layout), self._step, self._resynced)
             self._agreed, self._resynced = True, False
-            both = nodes_of_several and topo.equal_nodes and local_size * cross_size == size and hierarchy_runs
-            self.route_trial = RouteTrial(choice=self._saved_route) if self.hierarchical is None and both else None
+            both = nodes_of_several and topo.equal_nodes and local_size * cross_size == size
+            opened = self.hierarchical is None and both and (transport is None or runs_hierarchy(transport))
+            release = None if transport is None else transport.release_hierarchy  # by a flat verdict
+            self.route_trial = RouteTrial(choice=self._saved_route, release=release) if opened else None
         trial, grad = self.route_trial, self._grad
         has_grad, finite, fresh_here = layout.gather_grads(grad, None if self._all_active else self._active)
         flags = torch.tensor([float(not finite), float(finite and fresh_here), numel, -numel, *has_grad],
@@ -373,8 +373,7 @@ class Birder(torch.optim.Optimizer):
 
 @dataclass
 class _Update:
-    """What a step's checks agreed: the layout, where this worker sits, the route's level, and per parameter
-    whether some worker has a gradient for it."""
+    """What a step's checks agreed: layout, topology, route, per parameter whether some worker has a gradient."""
 
     layout: FlatLayout
     topology: Topology

@@ -145,6 +145,11 @@ def stock_call(frame: FrameType | None) -> str | None:
     raise _unsupported(f"compress was called from {getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}")
 
 
+# The methods hvd.DistributedOptimizer's class (type(name, (optimizer_class,), dict(_DistributedOptimizer.__dict__)))
+# adds to the optimizer it wraps.
+HOROVOD_WRAPPER_METHODS = ("_allreduce_grad_async", "synchronize")
+
+
 def called_by_broadcast_optimizer_state() -> bool:
     """Whether Horovod's ``broadcast_optimizer_state`` called the current ``step()`` (directly or through
     torch's step wrappers) to initialise an empty optimizer state. It does that on the ranks whose state

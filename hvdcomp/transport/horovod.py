@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ _DYNAMIC_SETS_NEEDED = (
 ALLTOALL_PIECE_BYTES = 512 * 1024
 WAIT_POLL_SECONDS = 1e-4
 _HIERARCHY_SETS: dict[tuple[int, int], tuple[list[hvd.ProcessSet], list[hvd.ProcessSet]]] = {}
+_HIERARCHY_USERS: weakref.WeakSet[HorovodTransport] = weakref.WeakSet()  # the transports bound to those sets
 
 
 def _gloo_sums_float16_in_vectors() -> bool:
@@ -180,6 +182,7 @@ class HorovodTransport(Transport):
             raise ValueError("hierarchical exchanges run over all workers, not a smaller process set")
         if self._local is None:
             self._local, self._cross = _hierarchy_process_sets()
+            _HIERARCHY_USERS.add(self)
         return self._local if op.scope is Scope.NODE else self._cross
 
     def check_hierarchy(self) -> None:
@@ -187,6 +190,20 @@ class HorovodTransport(Transport):
         (read from the environment that ``hvd.init`` read: the same on every worker, no collective)."""
         if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip() in ("", "0") and self.size > 1:
             raise RuntimeError(_DYNAMIC_SETS_NEEDED)
+
+    def release_hierarchy(self) -> None:
+        """Remove the node-local and cross-node process sets (``hvd.remove_process_set``, every worker alike) unless
+        another transport still uses them: Horovod's background thread coordinates every process set at each cycle,
+        so sets left unused slow every collective (docs/benchmarks.md#the-route-measured)."""
+        _HIERARCHY_USERS.discard(self)
+        self._local = self._cross = None
+        if _HIERARCHY_USERS:
+            return
+        for node_sets, cross_sets in _HIERARCHY_SETS.values():
+            for process_set in node_sets + cross_sets:
+                if process_set is not hvd.global_process_set:
+                    hvd.remove_process_set(process_set)
+        _HIERARCHY_SETS.clear()
 
     def forget_topology(self) -> None:
         """After Horovod is initialised again (elastic training): node sizes and process sets are read
