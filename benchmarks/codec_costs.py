@@ -30,7 +30,16 @@ from pathlib import Path
 import torch
 
 from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused
-from hvdcomp.exchange import FP16, ElementwiseCodec, MaxNormCodec, NoCompression, Placement, PowerSGD, Reduction
+from hvdcomp.exchange import (
+    FP16,
+    AheadMaxNorm,
+    ElementwiseCodec,
+    MaxNormCodec,
+    NoCompression,
+    Placement,
+    PowerSGD,
+    Reduction,
+)
 from hvdcomp.exchange.protocol import Exchange, Op, relay
 from hvdcomp.exchange.stats import Traffic, counted
 from hvdcomp.exchange.two_stage import TwoStageMaxNorm
@@ -54,6 +63,7 @@ SCHEMES = {
     "fp16 + error feedback, float16 SUM": lambda: _fp16(error_feedback=True, sums_float16=True),
     "QSGDMaxNorm(8)": lambda: MaxNormCodec(MaxNormQuantizer((8,))),
     "QSGDMaxNorm(4)": lambda: MaxNormCodec(MaxNormQuantizer((4,))),
+    "QSGDMaxNorm(4), scale ahead": lambda: AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)))),
     "QSGDMaxNorm(2)": lambda: MaxNormCodec(MaxNormQuantizer((2,))),
     "QSGDMaxNorm(4), two-stage": lambda: TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))), "two_stage"),
     "QSGDMaxNorm(8, rotate)": lambda: MaxNormCodec(MaxNormQuantizer((8,)), rotate=True),

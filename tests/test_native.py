@@ -133,6 +133,67 @@ def test_encode_and_decode_equal_eager(bits, world_size, word_bits, threads, bui
             assert means.shape == (numel,) and torch.equal(means, want_means), (numel, bits, world_size)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 1000])
+def test_encode_takes_the_local_stats_in_its_pass(chunk_size, threads, build):
+    """``encode(local_out=)`` writes ``local_stats`` natively in the encode's pass, bit for bit (max of the finite
+    ``|x|`` per group, then the NaN/Inf flag), with the same words; where ``x`` holds NaN/Inf, the same statistics."""
+    quantizer = MaxNormQuantizer((4,), chunk_size=chunk_size)
+    for numel in SIZES:
+        x = _gradient(numel, numel + 1)
+        groups = _groups(quantizer, numel)
+        want_stats = quantizer.local_stats(x, groups)
+        rng = stream_words(2, 0, "rounding", 0, numel)
+        want = quantizer.encode(x, want_stats, groups, None, 3, 63, rng)
+        local = torch.full((groups.numel() + 1,), -1.0)
+        assert torch.equal(quantizer.encode(x, want_stats, groups, None, 3, 63, rng, local_out=local), want), numel
+        assert torch.equal(local, want_stats) and not (local.signbit()).any(), numel
+        if numel < 200:
+            continue
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            spoiled = x.clone()
+            spoiled[[5, numel // 2, numel - 1]] = bad
+            quantizer.encode(spoiled, want_stats, groups, None, 3, 63, rng, local_out=local)
+            with fused.eager():
+                expected = quantizer.local_stats(spoiled, groups)
+            assert expected[-1] == 1.0 and torch.equal(local, expected), (numel, bad)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_scale_ahead_decodes_into_out(rotate, build):
+    """``AheadMaxNorm.exchange(out=)`` (the bucket itself, as the DDP door passes it): the mean lands there, bit for
+    bit the mean returned without ``out``, on the exact first exchange and the agreed ones after (growing values:
+    some clipped), natively and eagerly."""
+    sizes = [70_000, 5, 1_234]  # the last lane block partial
+
+    def workers():
+        codecs = [AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)), rotate=rotate)) for _ in range(3)]
+        for rank, codec in enumerate(codecs):
+            codec.bind_rank(rank)
+        return codecs
+
+    for context in (contextlib.nullcontext, fused.eager):
+        plain, into = workers(), workers()
+        with context():
+            for step in range(3):
+                grads = [_gradient(sum(sizes), 10 * step + rank) * (1 + step) for rank in range(3)]
+                want = simulate([c.exchange(g.clone(), sizes, "k", step, 3) for c, g in zip(plain, grads)])
+                got = simulate([c.exchange(g, sizes, "k", step, 3, out=g) for c, g in zip(into, grads)])
+                for mean, expected, grad in zip(got, want, grads):
+                    assert mean.data_ptr() == grad.data_ptr() and torch.equal(mean, expected), (context, step)
+
+
+def test_decode_writes_only_the_means_asked_for(build):
+    quantizer, numel = MaxNormQuantizer((8,)), 1000 + 7  # 1007 values in 64 + 1 partial lane blocks
+    x = _gradient(numel, 4)
+    groups = quantizer.scale_groups(numel)
+    stats = quantizer.local_stats(x, groups)
+    words = quantizer.encode(x, stats, groups, None, 2, 63, stream_words(0, 0, "r", 0, "d")) * 2
+    want = quantizer.decode(words, stats, groups, None, numel, 2)
+    out = torch.full((numel + 9,), 7.0)
+    assert quantizer.decode(words, stats, groups, None, numel, 2, out=out[:numel]).data_ptr() == out.data_ptr()
+    assert torch.equal(out[:numel], want) and (out[numel:] == 7.0).all()
+
+
 def test_threads_split_whole_lane_blocks():
     quantizer = MaxNormQuantizer((4,))
     numel = 5 * native.MIN_VALUES_PER_THREAD + 123  # several threads' worth

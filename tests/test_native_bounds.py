@@ -54,6 +54,17 @@ CASES = {
         big = torch.ones(401)
         attempt('c', lambda: q.decode(words, big, many, None, x.numel(), 2))
     """,
+    "decode_into_a_short_out": """
+        words = q.encode(x, stats, groups, None, 2, rng=rng)
+        attempt('c', lambda: q.decode(words, stats, groups, None, x.numel(), 2, out=torch.empty(x.numel() - 1)))
+    """,
+    "native_decode_more_means_than_words": """
+        words = q.encode(x, stats, groups, None, 2, rng=rng)
+        attempt('c', lambda: native.decode(words, groups, torch.ones(40), 7, 9, 0, torch.empty(1 << 20), 1 << 20))
+    """,
+    "native_encode_short_stats_out": """
+        attempt('c', lambda: native.encode(x, groups, torch.ones(40), 15, 4, 15, rng, stats=torch.empty(3)))
+    """,
     "draw_bits_short_b": """
         m = torch.randn(1 << 16)
         out = torch.empty(m.numel(), dtype=torch.bool)

@@ -4,7 +4,17 @@ ordering by name and by call order, collective names, metering, write-back, agre
 import pytest
 import torch
 
-from hvdcomp.exchange import FP16, ElementwiseCodec, NoCompression, Op, Statistics, Transport
+from hvdcomp.codec.quantize import MaxNormQuantizer
+from hvdcomp.exchange import (
+    FP16,
+    AheadMaxNorm,
+    ElementwiseCodec,
+    MaxNormCodec,
+    NoCompression,
+    Op,
+    Statistics,
+    Transport,
+)
 from hvdcomp.exchange.plan import Delivery, plan_buckets, signature
 from hvdcomp.exchange.protocol import last
 from hvdcomp.exchange.runner import Runner, consecutive_span
@@ -251,6 +261,29 @@ def test_scratch_gradients_in_one_buffer_are_exchanged_there_and_get_the_mean_in
     assert torch.equal(buffer, torch.arange(8, dtype=torch.float32))  # the mean of two equal workers
     assert all(mean.data_ptr() == view.data_ptr() for mean, view in zip(got["means"], (buffer[:3], buffer[3:])))
     assert not state.plan[0]._flat  # the bucket's own flat buffer was never needed
+
+
+def test_scratch_gradients_get_qsgd_with_the_scale_ahead_decoded_in_place():
+    """``AheadMaxNorm`` takes ``out``: on its exact first exchange and the agreed ones after, the mean of scratch
+    gradients lying in one buffer (DDP's bucket) is decoded there, equal to the mean of a copy's exchange."""
+    codecs = [AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)))) for _ in range(2)]
+    (state, _), (copied_state, _) = _state(codecs[0]), _state(codecs[1])
+    transport = _LoggingTransport([])
+    runners = [Runner(transport, s.stats, "t", s) for s in (state, copied_state)]
+    for codec in codecs:
+        codec.bind_transport(transport)
+    got, want = {}, {}
+    for step in range(3):
+        buffer = torch.randn(8, generator=torch.Generator().manual_seed(step)) * (1 + step)  # growing: clipped ahead
+        grads = [buffer[:3], buffer[3:]]
+        runners[0].launch(state.plan[0], grads, lambda bucket, means, keep: got.update(means=means), scratch=True)
+        runners[1].launch(copied_state.plan[0], [g.clone() for g in grads],
+                          lambda bucket, means, keep: want.update(means=[m.clone() for m in means]))
+        for runner in runners:
+            runner.finish()
+        assert all(mean.data_ptr() == view.data_ptr() for mean, view in zip(got["means"], grads)), step
+        assert all(torch.equal(a, b) for a, b in zip(got["means"], want["means"])), step
+    assert not state.plan[0]._flat
 
 
 @pytest.mark.parametrize("codec, out_is_flat, want", [(NoCompression(), True, Op.SUM_IN_PLACE),

@@ -17,9 +17,8 @@ only (its docstring); a compile or load failure falls back like any fused kernel
 warning, eager from then on).
 
 **When.** On CPU tensors, while fused kernels are enabled (``HVDCOMP_FUSED``, ``fused.eager()``), unless
-``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over
-``torch.get_num_threads()`` threads in whole lane blocks (ctypes releases the GIL during the calls) on a pool
-that a forked child replaces with its own.
+``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over the torch threads
+in whole lane blocks (ctypes releases the GIL during the calls) on a pool that a forked child replaces.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -91,12 +90,12 @@ def usable_each(tensors: Sequence[torch.Tensor | None], dtype: torch.dtype = tor
     return [t is not None and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors]
 
 
-def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int) -> None:
-    """``run(first, last)`` over ``[0, values)`` (whole blocks of ``per_block``), split over the torch threads."""
+def _in_parallel(run: Callable[[int, int], Any], values: int, per_block: int) -> list[Any]:
+    """``run(first, last)`` over ``[0, values)`` (whole blocks of ``per_block``), split over the torch threads; returns
+    what each call returned."""
     threads = max(1, min(torch.get_num_threads(), values // MIN_VALUES_PER_THREAD))
     if threads == 1:
-        run(0, values)
-        return
+        return [run(0, values)]
     with _Library.lock:
         if _Library.pool is None or _Library.pool_threads < threads - 1:
             if _Library.pool is not None:  # a smaller pool: its threads end once their work is done
@@ -106,9 +105,7 @@ def _in_parallel(run: Callable[[int, int], object], values: int, per_block: int)
         blocks = values // per_block
         bounds = [blocks * t // threads * per_block for t in range(threads + 1)]
         pending = [_Library.pool.submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-    run(bounds[0], bounds[1])
-    for future in pending:
-        future.result()
+    return [run(bounds[0], bounds[1])] + [future.result() for future in pending]
 
 
 def _checked(name: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
@@ -165,45 +162,50 @@ def _output(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Te
 
 
 def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, lanes: int, width: int,
-           rng: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+           rng: torch.Tensor, out: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given): ``quantize``'s encode words of flat float32
     ``x`` (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream
-    words."""
+    words; ``stats`` (float32 ``[len(groups) + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass."""
     _check_lanes(lanes, width)
     numel = _checked("x", x, torch.float32).numel()
     ends, factors = _groups(groups, factors, numel)
     rng = _stream(rng)
     out = _output(out, lane_block_words(numel, lanes), torch.int64)
-    lib = _Library.handle
+    stats = None if stats is None else _output(stats, ends.numel() + 1, torch.float32)
 
-    def run(first: int, last: int) -> None:
-        lib.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse, lanes,
-                           width, rng.data_ptr(), first, last, out.data_ptr())
+    def run(first: int, last: int) -> torch.Tensor | None:
+        partial = None if stats is None else torch.zeros(ends.numel() + 1)  # this range's statistics
+        _Library.handle.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
+                                       lanes, width, rng.data_ptr(), first, last, out.data_ptr(),
+                                       None if partial is None else partial.data_ptr())
+        return partial
 
-    _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
+    partials = _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
+    if stats is not None:
+        torch.amax(torch.stack(partials), dim=0, out=stats)
     return out
 
 
 def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, lanes: int, width: int,
-           offset: int, means: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[words * lanes]`` (into ``means`` if given: contiguous, that size): ``(lane - offset) * factors[g]``
-    per value of the int64 blocked-order ``word_sums`` (whole lane blocks), 0 past the groups; ``factors[g]`` =
-    ``M / (s W)`` of group ``g``."""
+           offset: int, means: torch.Tensor | None = None, numel: int | None = None) -> torch.Tensor:
+    """float32 ``[numel]`` (default ``words * lanes``; into ``means`` if given: contiguous, that size): ``(lane -
+    offset) * factors[g]`` per value of the int64 blocked-order ``word_sums`` (whole lane blocks), 0 past the groups;
+    ``factors[g]`` = ``M / (s W)`` of group ``g``."""
     _check_lanes(lanes, width)
     word_sums = _checked("the word sums", word_sums.contiguous(), torch.int64)
     if word_sums.numel() % LANE_BLOCK_WORDS:
         raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
     ends, factors = _groups(groups, factors, int(groups.sum()) if groups.numel() else 0)
-    if ends.numel() and int(ends[-1]) > word_sums.numel() * lanes:
-        raise ValueError(f"scale groups of {int(ends[-1])} elements exceed {word_sums.numel()} words")
-    means = _output(means, word_sums.numel() * lanes, torch.float32)
-    lib = _Library.handle
+    size = word_sums.numel() * lanes
+    if (ends.numel() and int(ends[-1]) > size) or not 0 <= (numel if numel is not None else size) <= size:
+        raise ValueError(f"{word_sums.numel()} words of {lanes} lanes hold neither {numel} means nor these groups")
+    means = _output(means, size if numel is None else numel, torch.float32)
 
     def run(first: int, last: int) -> None:
-        lib.hvdcomp_decode(word_sums.data_ptr(), ends.data_ptr(), factors.data_ptr(), ends.numel(), lanes, width,
-                           offset, first, last, means.data_ptr())
+        _Library.handle.hvdcomp_decode(word_sums.data_ptr(), ends.data_ptr(), factors.data_ptr(), ends.numel(), lanes,
+                                       width, offset, first, last, means.numel(), means.data_ptr())
 
-    _in_parallel(run, means.numel(), lane_block_values(lanes))
+    _in_parallel(run, size, lane_block_values(lanes))
     return means
 
 

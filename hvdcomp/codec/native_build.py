@@ -127,8 +127,9 @@ def _check_status(status: int, function: Any, args: tuple) -> int:
 
 
 _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for arguments that cannot be right)
-    "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER],
-    "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
+    "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER,
+                       _POINTER],
+    "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_uniform": [_POINTER, _INT, _INT, _POINTER],
     "hvdcomp_draw_bits": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT,
                           _INT, _INT, _POINTER],

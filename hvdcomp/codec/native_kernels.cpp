@@ -10,6 +10,7 @@
 // Ranges passed in are whole lane blocks: [first, last) values with first and last multiples of L B.
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,6 +56,43 @@ inline void draw_block(uint64_t j, const Stream& s, float* u) {
     u[r] = uniform_of(words[r] >> 16);
     u[r + 4] = uniform_of(words[r] & 0xFFFFu);
   }
+}
+
+// maxima[g] <- the max of maxima[g] and the finite |x_i| of group g (ends cumulative, as fill_factors), for values
+// start .. start + n - 1 at x[0..n); returns whether any of them is NaN or infinite (quantize.local_stats).
+bool group_maxima(const float* x, int64_t start, int64_t n, const int64_t* ends, int64_t groups, float* maxima) {
+  int64_t g = std::upper_bound(ends, ends + groups, start) - ends;
+  int64_t i = 0;
+  bool nonfinite = false;
+  for (; i < n && g < groups; ++g) {
+    const int64_t stop = std::min(ends[g] - start, n);
+    float high = maxima[g];
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+    __m256 highs = _mm256_set1_ps(high);
+    int bad = 0;
+    for (; i + 8 <= stop; i += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+      const __m256 finite = _mm256_cmp_ps(a, largest, _CMP_LE_OQ);  // false for NaN and infinity
+      bad |= _mm256_movemask_ps(finite) ^ 0xFF;
+      highs = _mm256_max_ps(highs, _mm256_and_ps(a, finite));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, highs);
+    for (float lane : lanes) high = std::max(high, lane);
+    nonfinite |= bad != 0;
+#endif
+    for (; i < stop; ++i) {
+      const float a = std::fabs(x[i]);
+      if (a <= FLT_MAX) {
+        high = std::max(high, a);
+      } else {
+        nonfinite = true;
+      }
+    }
+    maxima[g] = high;
+  }
+  return nonfinite;
 }
 
 #if defined(__AVX2__)
@@ -264,10 +302,12 @@ int64_t hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, f
 
 // Words of values [first, last) (whole lane blocks; values past numel are lane value 0) into out[first / L ..):
 // value i's lane holds sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse, f_i its group's coarse / M and
-// U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager).
+// U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager). With stats (not null,
+// groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite |x_i| of group g among those values),
+// and stats[groups] <- 1 where one of them is NaN or infinite (quantize.local_stats).
 int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
                     int64_t coarse, int64_t lanes, int64_t width, const int64_t* stream_words, int64_t first,
-                    int64_t last, int64_t* out) {
+                    int64_t last, int64_t* out, float* stats) {
   if (numel < 0 || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t chunk = chunk_values(lanes);
   const float limit = static_cast<float>(coarse);
@@ -283,6 +323,7 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
     }
     hvdcomp_uniform(stream_words, start, n, noise);
     fill_factors(start, valid, ends, group_factors, groups, factors);
+    if (stats != nullptr && group_maxima(xs, start, valid, ends, groups, stats)) stats[groups] = 1.0f;
     for (int64_t i = 0; i < valid; ++i) {
       float level = std::floor(std::fabs(xs[i]) * factors[i] + noise[i]);
       level = level < limit ? level : limit;
@@ -294,36 +335,41 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
   return 0;
 }
 
-// Means of values [first, last) (whole lane blocks) from summed words into means[first ..): (lane - offset) f_i,
-// f_i its group's M / (s W), 0 past the last group (quantize._decode_mean_eager).
+// Means of values [first, last) (whole lane blocks) from summed words into means[first ..), none at or past limit:
+// (lane - offset) f_i, f_i its group's M / (s W), 0 past the last group (quantize._decode_mean_eager).
 int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const float* group_factors, int64_t groups,
-                    int64_t lanes, int64_t width, int64_t offset, int64_t first, int64_t last, float* means) {
-  if (groups < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
+                    int64_t lanes, int64_t width, int64_t offset, int64_t first, int64_t last, int64_t limit,
+                    float* means) {
+  if (groups < 0 || limit < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes), mask = (int64_t{1} << width) - 1;
   const bool narrow = width < 31;  // lane values and offset fit int32: the conversion vectorizes
-  alignas(32) float factors[kChunk];
-  for (int64_t start = first; start < last; start += chunk) {
+  alignas(32) float factors[kChunk], spill[kBlockWords * 64];  // spill: the block that limit cuts
+  for (int64_t start = first; start < std::min(last, limit); start += chunk) {
     const int64_t n = std::min(chunk, last - start);
     fill_factors(start, n, ends, group_factors, groups, factors);
     const int64_t* words = word_sums + start / lanes;
-    float* out = means + start;
-    for (int64_t k = 0; k < n / per_block; ++k)
+    for (int64_t k = 0; k < n / per_block && start + k * per_block < limit; ++k) {
+      const int64_t at = start + k * per_block, kept = std::min(per_block, limit - at);
+      float* out = kept == per_block ? means + at : spill;
+      const int64_t* w = words + k * kBlockWords;
+      const float* f = factors + k * per_block;
       for (int64_t l = 0; l < lanes; ++l) {
-        const int64_t* w = words + k * kBlockWords;
-        const int64_t i = k * per_block + l * kBlockWords;
+        const int64_t i = l * kBlockWords;
         if (narrow) {
 #if defined(__AVX2__)
-          decode_lane_avx2(w, l * width, mask, offset, factors + i, out + i);
+          decode_lane_avx2(w, l * width, mask, offset, f + i, out + i);
 #else
           for (int64_t j = 0; j < kBlockWords; ++j)
             out[i + j] = static_cast<float>(static_cast<int32_t>((w[j] >> (l * width)) & mask) -
-                                            static_cast<int32_t>(offset)) * factors[i + j];
+                                            static_cast<int32_t>(offset)) * f[i + j];
 #endif
         } else {
           for (int64_t j = 0; j < kBlockWords; ++j)
-            out[i + j] = static_cast<float>(((w[j] >> (l * width)) & mask) - offset) * factors[i + j];
+            out[i + j] = static_cast<float>(((w[j] >> (l * width)) & mask) - offset) * f[i + j];
         }
       }
+      if (out == spill) std::copy(spill, spill + kept, means + at);
+    }
   }
   return 0;
 }

@@ -269,13 +269,15 @@ class MaxNormQuantizer:
         word_bits: int = INT64_WORD_BITS,
         rng: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        local_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """int64 ``[packing.lane_block_words(numel, L)]`` words of this worker's signed levels (finite ``x`` only)
         in ``payload_layout``'s lanes, in the blocked order (``packing.pack_lane_blocks``). Reduce with SUM.
 
         ``rng``: the int64 ``[4]`` stream words of ``hvdcomp.codec.random.stream_words`` (required);
         element ``i`` rounds with the stream's uniform ``i``. With ``out`` (contiguous int64 of that size) the words
-        are written there and it is returned (the native kernels write it directly, the others copy)."""
+        are written there and it is returned (the native kernels write it directly, the others copy). ``local_out``
+        (float32 ``[len(groups) + 1]``) receives ``local_stats(x, groups)``: natively in the encode's pass."""
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
@@ -283,7 +285,9 @@ class MaxNormQuantizer:
         layout = self.payload_layout(world_size, word_bits)
         if agreed is None and not self.multiscale and native.usable(x):
             return native.encode(x, groups, self.group_units(scale_stats), coarse, layout.lanes_per_word,
-                                 layout.lane_width, rng, out)
+                                 layout.lane_width, rng, out, local_out)
+        if local_out is not None:
+            local_out.copy_(self.local_stats(x, groups))
         units = self._encode_units(scale_stats, groups, agreed, x.numel())
         shifts = layout.lane_shifts(x.device)
         words = in_lane_blocks(x.numel(), shifts,
@@ -303,25 +307,27 @@ class MaxNormQuantizer:
         word_bits: int = INT64_WORD_BITS,
         buffers: ResultBuffers | None = None,
         key: Hashable = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 ``[numel]``: the mean over the workers of their dequantized values from the sums of their
         ``encode`` words (a view of a buffer padded to whole blocks; with ``buffers``, where the native kernels run,
-        ``key``'s buffer there, reused once nothing refers to it)."""
+        ``key``'s buffer there, reused once nothing refers to it; with ``out``, float32 ``[numel]``: that one)."""
         layout = self.payload_layout(world_size, word_bits)
-        if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word):
-            raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words cannot hold {numel} levels of this layout")
+        if word_sums.dtype != torch.int64 or word_sums.numel() != lane_block_words(numel, layout.lanes_per_word) or (
+                out is not None and out.shape != (numel,)):
+            raise ValueError(f"{word_sums.numel()} {word_sums.dtype} words (or out) cannot hold {numel} levels here")
         check_stats(scale_stats, groups, numel)
+        size = word_sums.numel() * layout.lanes_per_word
         if agreed is None and not self.multiscale and native.usable(word_sums, torch.int64):
             factors = self._scales(scale_stats) / float(self.coarse_levels * world_size)
-            size = word_sums.numel() * layout.lanes_per_word
-            means = None if buffers is None else buffers.take(key, size, torch.float32, word_sums.device)
+            means = out if out is not None or buffers is None else buffers.take(key, size, torch.float32,
+                                                                                   word_sums.device)
             return native.decode(word_sums, groups, factors, layout.lanes_per_word, layout.lane_width,
-                                 layout.offset * world_size, means)[:numel]
-        size = word_sums.numel() * layout.lanes_per_word
+                                 layout.offset * world_size, means, None if out is None else numel)[:numel]
         units = self._decode_units(scale_stats, groups, agreed, numel, world_size, size)
         means = _decode_mean(word_sums, layout.lane_shifts(word_sums.device), layout.lane_mask,
                              layout.offset * world_size, units)
-        return means[:numel]
+        return means[:numel] if out is None else out.copy_(means[:numel])
 
 
 def _few_long_groups(groups: torch.Tensor, numel: int) -> bool:

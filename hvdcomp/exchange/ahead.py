@@ -53,6 +53,7 @@ class AheadMaxNorm(ElementwiseCodec):
     against 0.332 to 0.338 s with 25 MiB and 0.322 to 0.348 s with 4 MiB)."""
 
     bucket_mb = 8.0
+    takes_out = True  # the decode writes the mean there (docs/benchmarks.md#the-codec-in-situ)
     scale_share = 64  # statistics rows ride in the payload while at most 1/scale_share of its words
 
     def __init__(self, inner: MaxNormCodec) -> None:
@@ -89,18 +90,21 @@ class AheadMaxNorm(ElementwiseCodec):
         return (*self.inner.config(), "ahead")
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
-                 word_bits: int = INT64_WORD_BITS, carrier_bits: int | None = None) -> Exchange:
-        """See ``ElementwiseCodec.exchange``; ``key`` keys the agreed scale and the excess memory. ``word_bits``: the
-        usable bits of the exact exchange's payload words. ``carrier_bits``: with an agreed scale, the payload is
-        words of that many bits for a float carrier (``hvdcomp.codec.carrier``) with the statistics rows always in
-        it, and no request follows it; default: int64 words, the rows as ``scale_rows`` says."""
+                 word_bits: int = INT64_WORD_BITS, carrier_bits: int | None = None,
+                 out: torch.Tensor | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange`` (``out``: where the mean goes, ``takes_out``); ``key`` keys the agreed
+        scale and the excess memory. ``word_bits``: the usable bits of the exact exchange's payload words.
+        ``carrier_bits``: with an agreed scale, the payload is words of that many bits for a float carrier
+        (``hvdcomp.codec.carrier``) with the statistics rows always in it, and no request follows it; default: int64
+        words, the rows as ``scale_rows`` says."""
         layout = Segments.of(segments, key)
-        if sum(layout) != flat.numel():
-            raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
-        return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits)
+        if sum(layout) != flat.numel() or (out is not None and out.shape != flat.shape):
+            raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat (and "
+                             f"out, if given: {None if out is None else tuple(out.shape)})")
+        return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits, out)
 
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
-                  word_bits: int, carrier_bits: int | None) -> Exchange:
+                  word_bits: int, carrier_bits: int | None, out: torch.Tensor | None) -> Exchange:
         memory, quantizer = self.memory, self.inner.quantizer
         numel = flat.numel()
         values = memory.with_excess(key, flat)
@@ -113,31 +117,34 @@ class AheadMaxNorm(ElementwiseCodec):
                 return reduced
 
             exact = self.inner.exchange(values, layout, key, step, world_size, word_bits)
-            return (yield from relay(exact, lambda op, tensor: (op, tensor), seed))
+            mean = yield from relay(exact, lambda op, tensor: (op, tensor), seed)
+            return mean if out is None else out.copy_(mean)
 
         rotation = self.inner.rotation
         if rotation is not None:  # the agreed scale is the rotated maximum
             values = rotation.forward(values, groups, key, step)
-        local = quantizer.local_stats(values, groups)
-        finite = not quantizer.saw_nonfinite(local)
-        if not finite:
-            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        excess = memory.clipped(values, local, scale_stats, groups) if finite else None
-        if excess is not None and rotation is not None and excess[0].numel():  # the memory is of unrotated values
-            unrotated = values.new_zeros(numel).index_put_((excess[0],), excess[1])
-            excess = torch.arange(numel, device=flat.device), rotation.inverse_(unrotated, groups, key, step)
         rounding = self.inner.rounding_stream(key, step, flat.device)
         carried = carrier_bits is not None
         word_bits = carrier_bits if carried else word_bits
         words = lane_block_words(numel, quantizer.payload_layout(world_size, word_bits).lanes_per_word)
+        local = torch.empty(groups.numel() + 1, dtype=torch.float32, device=flat.device)
         rows = self.scale_rows(world_size, local.numel(), words, carried)
         payload = self.inner.buffers.take((key, "payload"), words + rows, torch.int64, flat.device)
-        quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words])
+        # the statistics in the encode's pass (docs/benchmarks.md#the-codec-in-situ)
+        quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words], local)
+        finite = not quantizer.saw_nonfinite(local)
+        if not finite:  # encoded again without them: what every worker sends is of no use then, but well defined
+            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+            quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words])
+        excess = memory.clipped(values, local, scale_stats, groups) if finite else None
+        if excess is not None and rotation is not None and excess[0].numel():  # the memory is of unrotated values
+            unrotated = values.new_zeros(numel).index_put_((excess[0],), excess[1])
+            excess = torch.arange(numel, device=flat.device), rotation.inverse_(unrotated, groups, key, step)
         if rows:  # this worker's row: the bits of its float32 statistics (non-negative, below 2**31)
             payload[words:].zero_().view(world_size, -1)[self.inner.rank] = local.view(torch.int32)
         sums = yield last(Op.PAYLOAD, payload) if rows else (Op.PAYLOAD, payload)
         mean = quantizer.decode(sums[:words], scale_stats, groups, None, numel, world_size, word_bits,
-                                self.inner.buffers, key)
+                                self.inner.buffers, key, out)
         if rotation is not None:
             mean = rotation.inverse_(mean, groups, key, step)
         if rows:  # each column summed one worker's bits and zeros: every row exactly, and their maximum
