@@ -373,7 +373,7 @@ def _route_timed(monkeypatch, faster_hierarchical):
 
 @pytest.mark.parametrize("faster_hierarchical", [False, True])
 def test_route_left_open_tries_both_then_keeps_the_faster(monkeypatch, faster_hierarchical):
-    """hierarchical=None on 2 nodes x 2: flat and hierarchical by turns (one untimed step of each, then
+    """hierarchical=None on 2 nodes x 2: flat steps, then hierarchical ones (one untimed step of each, then
     TRIAL_ROUNDS timed ones), then the verdict rides in the step's MAX of flags and every worker keeps it."""
     _route_timed(monkeypatch, faster_hierarchical)
     params, opts = _workers(4, hierarchical=None)
@@ -382,7 +382,7 @@ def test_route_left_open_tries_both_then_keeps_the_faster(monkeypatch, faster_hi
     _assert_replicas_identical(params)
     for rank in range(4):
         routes = [step[rank]["route"].value.startswith("hierarchical") for step in stats]
-        assert routes == [False, True] * (TRIAL_ROUNDS + 1) + [faster_hierarchical] * 3
+        assert routes == [False] * (TRIAL_ROUNDS + 1) + [True] * (TRIAL_ROUNDS + 1) + [faster_hierarchical] * 3
     expected = (2.0, 1.0) if faster_hierarchical else (1.0, 2.0)
     assert all(o.route_trial.choice is faster_hierarchical and o.route_trial.medians == expected for o in opts)
     flags = [step[0]["control_bytes"] for step in stats]
@@ -414,9 +414,10 @@ def test_route_verdict_is_saved_and_a_resume_is_exact(monkeypatch, faster_hierar
     _route_timed(monkeypatch, faster_hierarchical)
     params, opts = _workers(4, hierarchical=None)
     steps = 2 * (TRIAL_ROUNDS + 1) + 1
-    _run(params, opts, 2, 3)
+    during_step = TRIAL_ROUNDS + 2  # the flat steps and a hierarchical one
+    _run(params, opts, 2, during_step)
     during = [o.state_dict() for o in opts]
-    _run(params, opts, 2, steps - 3, first_step=3)
+    _run(params, opts, 2, steps - during_step, first_step=during_step)
     saved = [([p.detach().clone() for p in ps], o.state_dict()) for ps, o in zip(params, opts)]
     assert {state["birder"]["route"] for _, state in saved} == {faster_hierarchical}
     assert {state["birder"]["route"] for state in during} == {None}
@@ -437,8 +438,8 @@ def test_route_verdict_is_saved_and_a_resume_is_exact(monkeypatch, faster_hierar
     again = [Birder(p, lr=0.01, seed=5) for p in resumed_params]
     for o, state in zip(again, during):
         o.load_state_dict(state)
-    stats = _run(resumed_params, again, 2, 2, first_step=3)
-    assert [step[0]["route"] for step in stats] == ["world:sum", "hierarchical:allgather"]
+    stats = _run(resumed_params, again, 2, during_step, first_step=during_step)
+    assert [step[0]["route"] for step in stats] == ["world:sum"] * (TRIAL_ROUNDS + 1) + ["hierarchical:allgather"]
 
 
 def test_workers_holding_different_route_verdicts_refuse_on_every_worker():

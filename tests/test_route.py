@@ -15,15 +15,15 @@ def _try(trial, seconds_of):
     return routes
 
 
-def test_routes_alternate_flat_first_then_the_verdict_is_due():
+def test_flat_steps_then_hierarchical_ones_then_the_verdict_is_due():
     trial = RouteTrial()
-    assert _try(trial, lambda hierarchical: 1.0) == [False, True] * (TRIAL_ROUNDS + 1)
+    assert _try(trial, lambda hierarchical: 1.0) == [False] * (TRIAL_ROUNDS + 1) + [True] * (TRIAL_ROUNDS + 1)
     assert trial.choice is None and trial.deciding and trial.seconds().shape == (2 * TRIAL_ROUNDS,)
 
 
 def test_untimed_first_steps_and_the_median_decides():
     trial = RouteTrial(rounds=3)
-    seconds = iter([100.0, 100.0, 1.0, 5.0, 9.0, 2.0, 1.0, 2.0])  # flat 1 9 1, hierarchical 5 2 2
+    seconds = iter([100.0, 1.0, 9.0, 1.0, 100.0, 5.0, 2.0, 2.0])  # flat 1 9 1, hierarchical 5 2 2
     _try(trial, lambda hierarchical: next(seconds))
     assert trial.seconds().tolist() == [1.0, 9.0, 1.0, 5.0, 2.0, 2.0]
     assert trial.decide(trial.seconds()) is False  # the means (3.67 against 3.0) would pick hierarchical

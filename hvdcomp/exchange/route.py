@@ -6,11 +6,14 @@ links and cores, which no byte count knows: on an emulated cluster of two nodes 
 between nodes, loopback inside them, two cores), Birder's hierarchical route took twice the flat route's
 time per step (docs/benchmarks.md#the-route-measured).
 
-So where the user left the route open and both routes can run, ``RouteTrial`` runs the first steps on
-the two routes by turns: one untimed step of each (first-use costs), then ``rounds`` timed steps of each,
-flat first. The step after them is the verdict: every worker's seconds are reduced by MAX (a step lasts as
-long as its slowest worker), so every worker holds the same numbers and takes the same route from then on,
-the hierarchical one only where its median step is shorter.
+So where the user left the route open and both routes can run, ``RouteTrial`` runs the first steps on the
+flat route, then on the hierarchical one: one untimed step of each (first-use costs), then ``rounds`` timed
+ones. Not by turns: over Horovod the hierarchical route's process sets, once registered, slow every collective
+(Horovod coordinates each set at every cycle), so flat steps taken among hierarchical ones would be timed
+slower than they run after a flat verdict removes the sets (docs/benchmarks.md#the-route-measured). The step
+after them is the verdict: every worker's seconds are reduced by MAX (a step lasts as long as its slowest
+worker), so every worker holds the same numbers and takes the same route from then on, the hierarchical one
+only where its median step is shorter.
 
 The trial needs no collective of its own: the door sends ``seconds()`` in a MAX it makes anyway. It fits
 doors whose state does not depend on the route (Birder's moments); codecs that keep memory per bucket
@@ -51,8 +54,8 @@ class RouteTrial:
 
     @property
     def hierarchical(self) -> bool:
-        """This step's route: the verdict once made, else flat and hierarchical by turns."""
-        return self.choice if self.choice is not None else self._steps % 2 == 1
+        """This step's route: the verdict once made, else flat for ``rounds + 1`` steps, then hierarchical."""
+        return self.choice if self.choice is not None else self._steps > self.rounds
 
     @property
     def deciding(self) -> bool:
@@ -63,8 +66,8 @@ class RouteTrial:
         """The seconds of the step just run on ``hierarchical`` (after the verdict: ignored)."""
         if self.choice is not None:
             return
-        if self._steps >= 2:  # the first step of each route is not timed
-            self._seconds[self._steps % 2 == 1].append(seconds)
+        if self._steps % (self.rounds + 1):  # the first step of each route is not timed
+            self._seconds[self.hierarchical].append(seconds)
         self._steps += 1
 
     def seconds(self) -> torch.Tensor:

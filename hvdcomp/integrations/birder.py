@@ -20,8 +20,8 @@ The bits and the mean are one whole draw's, and ``stats`` adds the chunks' (over
 ``hierarchical_one_bit_mean`` (``inter_node``: ``"auto"`` picks the variant that sends fewer bytes);
 otherwise the workers' bits are summed in ``bit_length(W)``-bit lanes through ``Op.SUM`` (in chunks, above).
 Left open (``hierarchical=None``, Horovod's setting unset) on equal nodes of several workers that the transport
-connects by node, the first steps try both routes by turns, then the faster is kept (``hvdcomp.exchange.route``;
-``route_trial``); both draw the same bits from the same moments. ``state_dict`` holds the verdict.
+connects by node, the first steps try the flat route, then the hierarchical one, and the faster is kept
+(``hvdcomp.exchange.route``; ``route_trial``); both draw the same bits from the same moments.
 ``exchange="two_stage"`` replaces the inter-node stage (or the sum over all workers) by the two-stage
 1-bit exchange (about 2 bits per element at any node count), ``"auto"`` lets the cost model choose.
 ``route`` says which ran last: ``"hierarchical:allgather"``, ``"hierarchical:sum"``,
