@@ -259,7 +259,8 @@ def _birder_steps(steps):
     import hvdcomp
 
     net = _net()
-    birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport())
+    birder = hvdcomp.Birder(net.parameters(), lr=0.01, transport=hvdcomp.ddp.TorchDistributedTransport(),
+                            hierarchical=True)
     for step in range(steps):
         birder.zero_grad()
         _loss(net, step).backward()

@@ -647,12 +647,12 @@ def test_randk_k_is_per_tensor_hierarchical():
 # --------------------------------------------------------------------------------------------------
 
 
-def _birder_uneven_worker():
+def _birder_uneven_worker(hierarchical=True):
     import hvdcomp
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(10))]
-    optimizer = hvdcomp.Birder(params, lr=0.1)  # hierarchical=True by default
+    optimizer = hvdcomp.Birder(params, lr=0.1, hierarchical=hierarchical)
     params[0].grad = torch.randn(10)
     try:
         optimizer.step()
@@ -667,6 +667,14 @@ def test_birder_uneven_nodes_fails_on_every_rank():
         assert message != "stepped", (rank, results)
         assert "shut down" not in message and "HorovodInternalError" not in message, (rank, results)
         assert re.search(r"node|hierarch", message, re.I), (rank, results)
+
+
+def test_birder_route_left_open_on_uneven_nodes_steps_flat():
+    """hierarchical=None on nodes of 2 + 1: no route trial; every rank steps (the node check is a collective that
+    every rank reaches, whatever its own node's size)."""
+    results = run_function(_birder_uneven_worker, np=3, hosts=UNEVEN_NODES, kwargs={"hierarchical": None},
+                           init_kwargs=DYNAMIC, timeout=TIMEOUT)
+    assert results == ["stepped"] * 3, results
 
 
 # --------------------------------------------------------------------------------------------------

@@ -234,7 +234,7 @@ def test_birder_two_stage_routes(local_size, route):
     models = [torch.nn.Linear(9, 7) for _ in range(world_size)]
     for model in models[1:]:
         model.load_state_dict(models[0].state_dict())
-    optimizers = [Birder(m.parameters(), lr=0.01, exchange="two_stage") for m in models]
+    optimizers = [Birder(m.parameters(), lr=0.01, exchange="two_stage", hierarchical=True) for m in models]
     for step in range(2):
         for rank, model in enumerate(models):
             model.weight.grad = torch.randn(7, 9, generator=torch.Generator().manual_seed(10 * step + rank))

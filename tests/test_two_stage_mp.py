@@ -78,7 +78,7 @@ def _worker():
 
     # 4. Birder across the two nodes, two-stage
     net = model()
-    birder = hvdcomp.Birder(net.parameters(), lr=0.01, exchange="two_stage")
+    birder = hvdcomp.Birder(net.parameters(), lr=0.01, exchange="two_stage", hierarchical=True)
     step(net, birder, 0)
     out["birder"] = (birder.route, torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
     return out

@@ -294,7 +294,8 @@ class Birder(torch.optim.Optimizer):
         if not self._agreed:  # settings and parameters alike on every worker, or one clear error on each
             self._step, _ = yield from agreement("Birder", self._described(layout), self._step, self._resynced)
             self._agreed, self._resynced = True, False
-            both = nodes_of_several and topo.equal_nodes and local_size * cross_size == size
+            # equal_nodes first: a collective (over Horovod) that every rank must reach, whatever its node's size
+            both = topo.equal_nodes and nodes_of_several and local_size * cross_size == size
             opened = self.hierarchical is None and both and (transport is None or runs_hierarchy(transport))
             release = None if transport is None else transport.release_hierarchy  # by a flat verdict
             self.route_trial = RouteTrial(choice=self._saved_route, release=release) if opened else None
