@@ -210,6 +210,7 @@ class HorovodTransport(Transport):
         and registered anew at their next use."""
         self._local = self._cross = self._equal_nodes = None
         _HIERARCHY_SETS.clear()
+        _HIERARCHY_USERS.clear()  # the sets are gone for every transport: none holds them now
 
     def start(self, op: Op, tensor: torch.Tensor, name: str | None = None) -> Any:
         """Start a collective; ``name`` must be the same on every worker when several are in flight
