@@ -198,15 +198,63 @@ inline __m256i lanes_of_8_words(const int64_t* words, __m128i shift, __m256i mas
                                    _mm256_permutevar8x32_epi32(b, low_words), 0x20);
 }
 
-// The 16 values of one lane of a block of 16 words (lane values and offset below 2**31): (lane - offset) * factor.
+// The 16 values of one lane of a block of 16 words (lane values and offset below 2**31): (lane - offset) * factor,
+// factor factors[j] of value j, or factors[0] for all of them (kOneFactor: values of one scale group).
+template <bool kOneFactor>
 inline void decode_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t offset, const float* factors,
                              float* out) {
   const __m128i count = _mm_cvtsi64_si128(shift);
   const __m256i masks = _mm256_set1_epi64x(mask), offsets = _mm256_set1_epi32(static_cast<int>(offset));
   for (int j = 0; j < kBlockWords; j += 8) {
     const __m256 values = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes_of_8_words(words + j, count, masks), offsets));
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(values, _mm256_loadu_ps(factors + j)));
+    const __m256 scale = kOneFactor ? _mm256_set1_ps(factors[0]) : _mm256_loadu_ps(factors + j);
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(values, scale));
   }
+}
+
+// The words of n values at x (whole lane blocks, all of one scale group, whose factor is `factor`) into words[0 ..
+// n / L): hvdcomp_encode's levels with uniforms noise[0 .. n), packed as pack_lane_blocks packs them, 8 values at a
+// time, the same float32 operations. kStats: also *high <- max(*high, their finite |x|), and whether one of them is
+// NaN or infinite (returned; else false).
+template <bool kStats>
+inline bool encode_one_group_avx2(const float* x, const float* noise, int64_t n, float factor, int64_t coarse,
+                                  int64_t lanes, int64_t width, int64_t* words, float* high) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX), factors = _mm256_set1_ps(factor);
+  const __m256 limit = _mm256_set1_ps(static_cast<float>(coarse));
+  const __m256i offset = _mm256_set1_epi32(static_cast<int>(coarse));
+  __m256 highs = _mm256_setzero_ps();
+  int bad = 0;
+  const int64_t per_block = kBlockWords * lanes;
+  for (int64_t k = 0; k < n / per_block; ++k) {
+    __m256i sums[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t l = 0; l < lanes; ++l) {
+      const __m128i shift = _mm_cvtsi64_si128(l * width);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t i = k * per_block + l * kBlockWords + 8 * h;
+        const __m256 v = _mm256_loadu_ps(x + i), a = _mm256_andnot_ps(sign, v);
+        if (kStats) {
+          const __m256 finite = _mm256_cmp_ps(a, largest, _CMP_LE_OQ);  // false for NaN and infinity
+          bad |= _mm256_movemask_ps(finite) ^ 0xFF;
+          highs = _mm256_max_ps(highs, _mm256_and_ps(a, finite));
+        }
+        const __m256 level = _mm256_min_ps(  // min_ps(a, b): a < b ? a : b, so a NaN level becomes the limit
+            _mm256_round_ps(_mm256_add_ps(_mm256_mul_ps(a, factors), _mm256_loadu_ps(noise + i)),
+                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+            limit);
+        const __m256i lane = _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_or_ps(level, _mm256_and_ps(v, sign))), offset);
+        sums[2 * h] = _mm256_add_epi64(sums[2 * h], _mm256_sll_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(lane)), shift));
+        sums[2 * h + 1] = _mm256_add_epi64(sums[2 * h + 1],
+                                           _mm256_sll_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(lane, 1)), shift));
+      }
+    }
+    for (int q = 0; q < 4; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
+  }
+  if (kStats) {
+    alignas(32) float lanes_high[8];
+    _mm256_store_ps(lanes_high, highs);
+    for (float lane : lanes_high) *high = std::max(*high, lane);
+  }
+  return bad != 0;
 }
 
 // The 16 means of one lane of a block of 16 words of +1 counts over `group` workers: (2 count - group) / group.
@@ -234,6 +282,12 @@ void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t w
       for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
     std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
   }
+}
+
+// The scale group that holds all of values [start, start + n) (ends cumulative, as fill_factors), else -1.
+int64_t one_group(const int64_t* ends, int64_t groups, int64_t start, int64_t n) {
+  const int64_t g = std::upper_bound(ends, ends + groups, start) - ends;
+  return g < groups && start + n <= ends[g] ? g : -1;
 }
 
 int64_t chunk_values(int64_t lanes) { return std::max<int64_t>(1, kChunk / (kBlockWords * lanes)) * kBlockWords * lanes; }
@@ -322,6 +376,18 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
       xs = padded;
     }
     hvdcomp_uniform(stream_words, start, n, noise);
+#if defined(__AVX2__)
+    // a whole chunk of one group (most of them): one pass, no per-value factors (docs/benchmarks.md#the-encode-kernel)
+    const int64_t g = valid == n ? one_group(ends, groups, start, n) : -1;
+    if (g >= 0) {
+      const bool bad = stats == nullptr
+          ? encode_one_group_avx2<false>(xs, noise, n, group_factors[g], coarse, lanes, width, out + start / lanes, nullptr)
+          : encode_one_group_avx2<true>(xs, noise, n, group_factors[g], coarse, lanes, width, out + start / lanes,
+                                        stats + g);
+      if (bad) stats[groups] = 1.0f;
+      continue;
+    }
+#endif
     fill_factors(start, valid, ends, group_factors, groups, factors);
     if (stats != nullptr && group_maxima(xs, start, valid, ends, groups, stats)) stats[groups] = 1.0f;
     for (int64_t i = 0; i < valid; ++i) {
@@ -346,7 +412,8 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
   alignas(32) float factors[kChunk], spill[kBlockWords * 64];  // spill: the block that limit cuts
   for (int64_t start = first; start < std::min(last, limit); start += chunk) {
     const int64_t n = std::min(chunk, last - start);
-    fill_factors(start, n, ends, group_factors, groups, factors);
+    const int64_t g = one_group(ends, groups, start, n);  // one factor for the whole chunk (most of them)
+    if (g < 0) fill_factors(start, n, ends, group_factors, groups, factors);
     const int64_t* words = word_sums + start / lanes;
     for (int64_t k = 0; k < n / per_block && start + k * per_block < limit; ++k) {
       const int64_t at = start + k * per_block, kept = std::min(per_block, limit - at);
@@ -357,15 +424,20 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
         const int64_t i = l * kBlockWords;
         if (narrow) {
 #if defined(__AVX2__)
-          decode_lane_avx2(w, l * width, mask, offset, f + i, out + i);
+          if (g >= 0) {
+            decode_lane_avx2<true>(w, l * width, mask, offset, group_factors + g, out + i);
+          } else {
+            decode_lane_avx2<false>(w, l * width, mask, offset, f + i, out + i);
+          }
 #else
           for (int64_t j = 0; j < kBlockWords; ++j)
             out[i + j] = static_cast<float>(static_cast<int32_t>((w[j] >> (l * width)) & mask) -
-                                            static_cast<int32_t>(offset)) * f[i + j];
+                                            static_cast<int32_t>(offset)) * (g >= 0 ? group_factors[g] : f[i + j]);
 #endif
         } else {
           for (int64_t j = 0; j < kBlockWords; ++j)
-            out[i + j] = static_cast<float>(((w[j] >> (l * width)) & mask) - offset) * f[i + j];
+            out[i + j] = static_cast<float>(((w[j] >> (l * width)) & mask) - offset) *
+                         (g >= 0 ? group_factors[g] : f[i + j]);
         }
       }
       if (out == spill) std::copy(spill, spill + kept, means + at);
