@@ -276,11 +276,23 @@ void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t w
   const int64_t per_block = kBlockWords * lanes;
   for (int64_t k = 0; k < n / per_block; ++k) {
     const int32_t* v = values + k * per_block;
+#if defined(__AVX2__)
+    __m256i sums[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t l = 0; l < lanes; ++l) {
+      const __m128i shift = _mm_cvtsi64_si128(l * width);
+      for (int q = 0; q < 4; ++q) {  // words 4 q .. 4 q + 3 of the block: values B l + 4 q .. B l + 4 q + 3
+        const __m128i lane = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + l * kBlockWords + 4 * q));
+        sums[q] = _mm256_add_epi64(sums[q], _mm256_sll_epi64(_mm256_cvtepi32_epi64(lane), shift));
+      }
+    }
+    for (int q = 0; q < 4; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
+#else
     int64_t sum[kBlockWords];
     for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
     for (int64_t l = 1; l < lanes; ++l)
       for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
     std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
+#endif
   }
 }
 
