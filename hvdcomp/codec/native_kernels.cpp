@@ -241,13 +241,17 @@ inline bool encode_one_group_avx2(const float* x, const float* noise, int64_t n,
             _mm256_round_ps(_mm256_add_ps(_mm256_mul_ps(a, factors), _mm256_loadu_ps(noise + i)),
                             _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
             limit);
-        const __m256i lane = _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_or_ps(level, _mm256_and_ps(v, sign))), offset);
-        sums[2 * h] = _mm256_add_epi64(sums[2 * h], _mm256_sll_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(lane)), shift));
-        sums[2 * h + 1] = _mm256_add_epi64(sums[2 * h + 1],
-                                           _mm256_sll_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(lane, 1)), shift));
+        const __m256i lane =
+            _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_or_ps(level, _mm256_and_ps(v, sign))), offset);
+        const __m256i lower = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(lane));  // values i .. i + 3
+        const __m256i upper = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(lane, 1));  // i + 4 .. i + 7
+        sums[2 * h] = _mm256_add_epi64(sums[2 * h], _mm256_sll_epi64(lower, shift));
+        sums[2 * h + 1] = _mm256_add_epi64(sums[2 * h + 1], _mm256_sll_epi64(upper, shift));
       }
     }
-    for (int q = 0; q < 4; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
+    for (int q = 0; q < 4; ++q) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
+    }
   }
   if (kStats) {
     alignas(32) float lanes_high[8];
@@ -285,7 +289,9 @@ void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t w
         sums[q] = _mm256_add_epi64(sums[q], _mm256_sll_epi64(_mm256_cvtepi32_epi64(lane), shift));
       }
     }
-    for (int q = 0; q < 4; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
+    for (int q = 0; q < 4; ++q) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
+    }
 #else
     int64_t sum[kBlockWords];
     for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
@@ -392,10 +398,10 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
     // a whole chunk of one group (most of them): one pass, no per-value factors (docs/benchmarks.md#the-encode-kernel)
     const int64_t g = valid == n ? one_group(ends, groups, start, n) : -1;
     if (g >= 0) {
+      int64_t* words = out + start / lanes;
       const bool bad = stats == nullptr
-          ? encode_one_group_avx2<false>(xs, noise, n, group_factors[g], coarse, lanes, width, out + start / lanes, nullptr)
-          : encode_one_group_avx2<true>(xs, noise, n, group_factors[g], coarse, lanes, width, out + start / lanes,
-                                        stats + g);
+          ? encode_one_group_avx2<false>(xs, noise, n, group_factors[g], coarse, lanes, width, words, nullptr)
+          : encode_one_group_avx2<true>(xs, noise, n, group_factors[g], coarse, lanes, width, words, stats + g);
       if (bad) stats[groups] = 1.0f;
       continue;
     }
