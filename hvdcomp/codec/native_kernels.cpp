@@ -709,28 +709,28 @@ inline bool planes_fit(int64_t width) { return width >= 1 && width <= kMaxPlaneW
 
 inline int64_t plane_stride(int64_t n) { return (n + 7) / 8; }
 
+#if !defined(__AVX2__)
 // Byte `b` of each of the 8 values v[0..8), value l in byte l of the result.
 inline uint64_t byte_of_8(const int32_t* v, int b) {
-#if defined(__AVX2__)
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i shifted = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)), 8 * b);
-  const __m256i picked = _mm256_shuffle_epi8(shifted, low_bytes);  // bytes 0..3 of each 128-bit half
-  return static_cast<uint32_t>(_mm256_extract_epi32(picked, 0)) |
-         static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(picked, 4))) << 32;
-#else
   uint64_t word = 0;
   for (int l = 0; l < 8; ++l) word |= static_cast<uint64_t>((v[l] >> (8 * b)) & 0xFF) << (8 * l);
   return word;
-#endif
 }
+#endif
 
 // Plane bytes of 8 values (each below 2**width): planes[k * stride] <- bit k of v[0..8), k < width.
 inline void pack_8_planes(const int32_t* v, int64_t width, int64_t stride, uint8_t* planes) {
+#if defined(__AVX2__)
+  const __m256i values = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  for (int64_t k = 0; k < width; ++k)  // bit k of each value into its sign bit, whose mask is the plane's byte
+    planes[k * stride] = static_cast<uint8_t>(
+        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sll_epi32(values, _mm_cvtsi64_si128(31 - k)))));
+#else
   uint64_t bytes[3] = {byte_of_8(v, 0), width > 8 ? byte_of_8(v, 1) : 0, width > 16 ? byte_of_8(v, 2) : 0};
   for (int64_t k = 0; k < width; ++k)
     planes[k * stride] = static_cast<uint8_t>(
         (((bytes[k / 8] >> (k % 8)) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56);
+#endif
 }
 
 // The 8 values whose bit k planes[k * stride] holds (k < width) into v[0..8).
