@@ -59,8 +59,8 @@ activity masks count as ``control_bytes``. Per worker and step, for ``n`` elemen
 ``8 ceil(c / lanes(N))`` (sum); intra-node ``8 ceil(n / lanes(L)) + 8 ceil(c / lanes(N))``; over all workers
 ``8 ceil(n / lanes(W))`` inter-node.
 
-``state_dict()`` holds ``m``, ``b``, the active mask, the step count and the seed: each worker must save
-and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
+``state_dict()`` holds ``m``, ``b``, the active mask, the step count, the seed and the route trial's verdict: each
+worker must save and load its own (``m`` and ``b`` follow its own gradients) for an exact resume.
 """
 
 from __future__ import annotations
