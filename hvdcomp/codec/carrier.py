@@ -80,9 +80,12 @@ def wrap(words: torch.Tensor, world_size: int, tag: int, out: torch.Tensor | Non
     return out
 
 
-def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> tuple[torch.Tensor, bool]:
-    """Exact int64 sums of the workers' words from a reduced carrier, and whether the reduction
-    averaged (True) or summed (False). Raises ``CarrierMismatchError`` on any disagreement."""
+def unwrap(reduced: torch.Tensor, world_size: int, tag: int,
+           out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """Exact int64 sums of the workers' words from a reduced carrier (written into ``out`` if given: int64, one
+    per word), and whether the reduction averaged (True) or summed (False). The words of ``reduced`` are
+    scaled and rounded in place: no carrier-sized allocation (docs/benchmarks.md#the-stock-adapter).
+    Raises ``CarrierMismatchError`` on any disagreement, before anything is written."""
     if reduced.dtype != torch.float64 or reduced.dim() != 1 or reduced.numel() < HEADER:
         raise CarrierMismatchError(
             f"expected a float64 carrier of at least {HEADER} elements, got {reduced.dtype} {tuple(reduced.shape)}"
@@ -108,4 +111,11 @@ def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> tuple[torch.Tens
             "workers reduced different things (compressor settings, tensor order, shapes or step "
             f"counts differ): tag {tag} here, mean tag {mean_tag:.6g} over the workers"
         )
-    return torch.round(reduced[HEADER:] / factor).to(torch.int64), factor != 1.0
+    words = reduced[HEADER:]
+    if out is not None and (out.dtype != torch.int64 or out.shape != words.shape):
+        raise ValueError(f"the sums of {words.numel()} words need an int64 [{words.numel()}] buffer, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if factor != 1.0:
+        words.div_(factor)
+    words.round_()
+    return (words.to(torch.int64) if out is None else out.copy_(words)), factor != 1.0

@@ -112,6 +112,7 @@ class StockAdapter:
         self._warmup_done, self._warming = 0, False  # warm-up steps begun; whether this step is one
         self._batch: _Batch | None = None  # the open step's exact exchanges
         self._carriers = ResultBuffers()  # per gradient, its carrier, reused once Horovod has let go of it
+        self._word_sums = ResultBuffers()  # per gradient, the exact sums read back from its reduced carrier
 
     def state_dict(self) -> dict[str, Any]:
         """The step counters (the codec's own state is ``codec.inner``'s)."""
@@ -215,15 +216,17 @@ class StockAdapter:
 
     def decompress(self, tensor: torch.Tensor, ctx: _Context | UncompressedContext | None) -> torch.Tensor:
         """The mean of the workers' dequantized gradients if Horovod averaged ``ctx``'s carrier, their sum if it
-        summed; a step's first call runs the step's exact exchanges. With ``ctx=None`` (what Horovod passes after
-        reducing a sparse gradient itself) ``tensor`` as it is."""
+        summed; a step's first call runs the step's exact exchanges. ``tensor`` (the reduced carrier) is spent: its
+        words are rescaled in place. With ``ctx=None`` (what Horovod passes after reducing a sparse gradient itself)
+        ``tensor`` as it is."""
         if ctx is None:
             return tensor
         self._step_open = False
         if isinstance(ctx, UncompressedContext):
             return ctx.decompress(tensor)
         if ctx.batch is None:
-            word_sums, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag)
+            sums = self._word_sums.take(ctx.key, max(tensor.numel() - carrier.HEADER, 0), torch.int64, tensor.device)
+            word_sums, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag, out=sums)
         else:
             if not ctx.batch.exchanged:
                 self._exchange(ctx.batch)
