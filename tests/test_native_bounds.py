@@ -81,6 +81,18 @@ CASES = {
     "native_encode_short_factors": """
         attempt('c', lambda: native.encode(x, groups, torch.ones(2), 15, 4, 15, rng))
     """,
+    "native_encode_negative_group": """
+        wrapped = torch.tensor([-64] + [64] * 39 + [128])  # adds up to the input, one length negative
+        attempt('c', lambda: native.encode(x, wrapped, torch.ones(41), 15, 4, 15, rng))
+    """,
+    "native_encode_groups_short_of_the_input": """
+        attempt('c', lambda: native.encode(x, groups[1:], torch.ones(39), 15, 4, 15, rng))
+    """,
+    "native_decode_negative_group": """
+        words = native.encode(x, groups, torch.ones(40), 15, 4, 15, rng)
+        wrapped = torch.tensor([-64] + [64] * 39 + [128])
+        attempt('c', lambda: native.decode(words, wrapped, torch.ones(41), 4, 15, 0))
+    """,
     "native_unpack_bits_short_rows": """
         attempt('c', lambda: native.unpack_bits(torch.zeros(4, 2, dtype=torch.uint8), 1 << 20))
     """,

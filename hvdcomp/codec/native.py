@@ -42,7 +42,7 @@ from .native_build import library_path as library_path
 from .native_build import load
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
 from .random import OUTPUTS_PER_BLOCK
-from .validate import check_groups
+from .validate import check_groups, group_lengths
 
 ENV_SWITCH = "HVDCOMP_NATIVE"
 MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
@@ -128,16 +128,16 @@ def _check_lanes(lanes: int, width: int) -> None:
         raise ValueError(f"{lanes} lanes of {width} bits do not fit a 64-bit word")
 
 
-def _groups(groups: torch.Tensor, factors: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU, checked: one factor per
-    group, the groups splitting ``numel`` values."""
-    ends = groups.to("cpu", torch.int64).cumsum(0).contiguous()
+def _groups(groups: torch.Tensor, factors: torch.Tensor,
+            numel: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU, and the groups' elements,
+    checked: one factor per group, the groups splitting ``numel`` values (any number: None)."""
+    lengths = groups.to("cpu", torch.int64)
+    total = sum(group_lengths(lengths, numel))
     factors = factors.to("cpu", torch.float32).contiguous()
-    if factors.shape != ends.shape or groups.dim() != 1:
+    if factors.shape != lengths.shape:
         raise ValueError(f"{factors.numel()} scale factors for {groups.numel()} scale groups")
-    if ends.numel() and (int(ends[-1]) != numel or bool((groups < 0).any())):
-        raise ValueError(f"scale groups of {int(ends[-1])} elements do not split {numel}")
-    return ends, factors
+    return lengths.cumsum(0), factors, total
 
 
 def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
@@ -168,20 +168,20 @@ def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse:
     words; ``stats`` (float32 ``[len(groups) + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass."""
     _check_lanes(lanes, width)
     numel = _checked("x", x, torch.float32).numel()
-    ends, factors = _groups(groups, factors, numel)
+    ends, factors, _ = _groups(groups, factors, numel)
     rng = _stream(rng)
     out = _output(out, lane_block_words(numel, lanes), torch.int64)
     stats = None if stats is None else _output(stats, ends.numel() + 1, torch.float32)
 
-    def run(first: int, last: int) -> torch.Tensor | None:
-        partial = None if stats is None else torch.zeros(ends.numel() + 1)  # this range's statistics
+    def run(first: int, last: int) -> torch.Tensor | None:  # this range's statistics (of the whole range: stats)
+        part = None if stats is None else torch.zeros(ends.numel() + 1) if last - first < out.numel() * lanes else stats
         _Library.handle.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
                                        lanes, width, rng.data_ptr(), first, last, out.data_ptr(),
-                                       None if partial is None else partial.data_ptr())
-        return partial
+                                       None if part is None else part.zero_().data_ptr())
+        return part
 
     partials = _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))
-    if stats is not None:
+    if stats is not None and len(partials) > 1:
         torch.amax(torch.stack(partials), dim=0, out=stats)
     return out
 
@@ -195,9 +195,9 @@ def decode(word_sums: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor,
     word_sums = _checked("the word sums", word_sums.contiguous(), torch.int64)
     if word_sums.numel() % LANE_BLOCK_WORDS:
         raise ValueError(f"{word_sums.numel()} words are not whole lane blocks")
-    ends, factors = _groups(groups, factors, int(groups.sum()) if groups.numel() else 0)
+    ends, factors, grouped = _groups(groups, factors, None)
     size = word_sums.numel() * lanes
-    if (ends.numel() and int(ends[-1]) > size) or not 0 <= (numel if numel is not None else size) <= size:
+    if grouped > size or not 0 <= (numel if numel is not None else size) <= size:
         raise ValueError(f"{word_sums.numel()} words of {lanes} lanes hold neither {numel} means nor these groups")
     means = _output(means, size if numel is None else numel, torch.float32)
 

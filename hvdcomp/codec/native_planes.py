@@ -39,7 +39,7 @@ def encode_planes(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, 
     if rows * chunk < numel or 2 * coarse >= 1 << width:
         raise ValueError(f"{rows} rows of {chunk} values of {width} bits do not hold {numel} levels in "
                          f"[0, {2 * coarse}]")
-    ends, factors = _groups(groups, factors, numel)
+    ends, factors, _ = _groups(groups, factors, numel)
     rng = _stream(rng)
     lib = _Library.handle
 
@@ -99,7 +99,7 @@ def decode_planes(rows: torch.Tensor, header: int, width: int, chunk: int, numel
     row_factors = _checked("the row factors", row_factors.contiguous(), torch.float32, count)
     if count * chunk < numel:
         raise ValueError(f"{count} rows of {chunk} values do not hold {numel}")
-    ends, factors = _groups(groups, factors, numel)
+    ends, factors, _ = _groups(groups, factors, numel)
     out = _output(out, numel, torch.float32)
     lib = _Library.handle
 

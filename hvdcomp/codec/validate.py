@@ -41,10 +41,20 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def group_lengths(groups: torch.Tensor, numel: int | None) -> list[int]:
+    """The lengths of ``groups`` (1-D, int64) as ints, read in one call into torch (a codec call's checks are many
+    small ones: docs/benchmarks.md#the-stock-adapter); ``ValueError`` unless they are non-negative and, with
+    ``numel`` given, split ``numel`` elements (no groups split any number)."""
+    lengths = groups.tolist() if groups.dim() == 1 else None
+    if lengths is None or (lengths and (min(lengths) < 0 or numel is not None and sum(lengths) != numel)):
+        what = "their elements: a length is negative" if numel is None else f"{numel} elements"
+        raise ValueError(f"scale groups {groups.reshape(-1).tolist()[:8]}... do not split {what}")
+    return lengths
+
+
 def check_groups(groups: torch.Tensor, numel: int) -> None:
     """Raise ``ValueError`` unless ``groups`` (int64 lengths, on the CPU) split ``numel`` elements."""
-    if groups.dim() != 1 or (groups.numel() and (int(groups.sum()) != numel or bool((groups < 0).any()))):
-        raise ValueError(f"scale groups {groups.tolist()[:8]}... do not split {numel} elements")
+    group_lengths(groups, numel)
 
 
 def check_stats(scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
