@@ -13,6 +13,7 @@ import torch
 
 from hvdcomp.codec import fused, native
 from hvdcomp.codec.agreed import AgreedScales
+from hvdcomp.codec.validate import LISTED_GROUPS, group_total
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,3 +178,21 @@ def test_agreed_stats_of_other_groups_are_absent():
     resumed.load_state_dict(saved.state_dict())
     assert resumed.scales("w", numel, 2, 100) is None
     assert resumed.scales("w", numel, 2, 10) is not None
+
+
+@pytest.mark.parametrize("count", [0, 1, LISTED_GROUPS, LISTED_GROUPS + 1, 5000])
+def test_group_checks_agree_for_few_and_many_groups(count):
+    """``group_total`` reads few groups as ints and reduces many in torch: both accept the same and refuse the same."""
+    lengths = torch.full((count,), 7, dtype=torch.int64)
+    assert group_total(lengths, 7 * count) == group_total(lengths, None) == 7 * count
+    if count:
+        with pytest.raises(ValueError, match="do not split"):
+            group_total(lengths, 7 * count + 1)
+    if count > 1:
+        negative = lengths.clone()
+        negative[-1], negative[0] = -7, 21  # the same total, one length negative
+        for numel in (7 * count, None):
+            with pytest.raises(ValueError, match="do not split"):
+                group_total(negative, numel)
+    with pytest.raises(ValueError, match="vector"):
+        group_total(lengths.view(1, -1), 7 * count)

@@ -42,7 +42,7 @@ from .native_build import library_path as library_path
 from .native_build import load
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
 from .random import OUTPUTS_PER_BLOCK
-from .validate import check_groups, group_lengths
+from .validate import check_groups, group_total
 
 ENV_SWITCH = "HVDCOMP_NATIVE"
 MIN_VALUES_PER_THREAD = 1 << 16  # below this a thread's start costs more than its share
@@ -133,7 +133,7 @@ def _groups(groups: torch.Tensor, factors: torch.Tensor,
     """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU, and the groups' elements,
     checked: one factor per group, the groups splitting ``numel`` values (any number: None)."""
     lengths = groups.to("cpu", torch.int64)
-    total = sum(group_lengths(lengths, numel))
+    total = group_total(lengths, numel)
     factors = factors.to("cpu", torch.float32).contiguous()
     if factors.shape != lengths.shape:
         raise ValueError(f"{factors.numel()} scale factors for {groups.numel()} scale groups")
@@ -173,8 +173,8 @@ def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse:
     out = _output(out, lane_block_words(numel, lanes), torch.int64)
     stats = None if stats is None else _output(stats, ends.numel() + 1, torch.float32)
 
-    def run(first: int, last: int) -> torch.Tensor | None:  # this range's statistics (of the whole range: stats)
-        part = None if stats is None else torch.zeros(ends.numel() + 1) if last - first < out.numel() * lanes else stats
+    def run(first: int, last: int) -> torch.Tensor | None:  # this range's statistics, zeroed first (all: stats)
+        part = None if stats is None else stats if last - first == out.numel() * lanes else torch.empty_like(stats)
         _Library.handle.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
                                        lanes, width, rng.data_ptr(), first, last, out.data_ptr(),
                                        None if part is None else part.zero_().data_ptr())

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 MIN_BITS, MAX_BITS = 1, 16  # a max-norm resolution's bits per sign
+LISTED_GROUPS = 64  # scale groups checked from a list of ints; more are reduced in torch
 
 
 
@@ -41,20 +42,27 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def group_lengths(groups: torch.Tensor, numel: int | None) -> list[int]:
-    """The lengths of ``groups`` (1-D, int64) as ints, read in one call into torch (a codec call's checks are many
-    small ones: docs/benchmarks.md#the-stock-adapter); ``ValueError`` unless they are non-negative and, with
-    ``numel`` given, split ``numel`` elements (no groups split any number)."""
-    lengths = groups.tolist() if groups.dim() == 1 else None
-    if lengths is None or (lengths and (min(lengths) < 0 or numel is not None and sum(lengths) != numel)):
+def group_total(groups: torch.Tensor, numel: int | None) -> int:
+    """The elements that ``groups`` (1-D, int64 lengths) cover; ``ValueError`` unless the lengths are non-negative and,
+    with ``numel`` given, split ``numel`` elements (no groups split any number). Up to ``LISTED_GROUPS`` lengths are
+    read as ints in one call into torch (a codec call's checks are many small calls:
+    docs/benchmarks.md#the-stock-adapter), more by two reductions."""
+    if groups.dim() != 1:
+        raise ValueError(f"scale groups must be a vector of lengths, got shape {tuple(groups.shape)}")
+    if groups.numel() <= LISTED_GROUPS:
+        lengths = groups.tolist()
+        total, lowest = sum(lengths), min(lengths, default=0)
+    else:
+        total, lowest = int(groups.sum()), int(groups.min())
+    if lowest < 0 or (numel is not None and groups.numel() and total != numel):
         what = "their elements: a length is negative" if numel is None else f"{numel} elements"
-        raise ValueError(f"scale groups {groups.reshape(-1).tolist()[:8]}... do not split {what}")
-    return lengths
+        raise ValueError(f"scale groups {groups.tolist()[:8]}... do not split {what}")
+    return total
 
 
 def check_groups(groups: torch.Tensor, numel: int) -> None:
     """Raise ``ValueError`` unless ``groups`` (int64 lengths, on the CPU) split ``numel`` elements."""
-    group_lengths(groups, numel)
+    group_total(groups, numel)
 
 
 def check_stats(scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> None:
