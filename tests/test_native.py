@@ -211,7 +211,7 @@ def test_threads_split_whole_lane_blocks():
     assert all(torch.equal(a, b) for result in results[1:] for a, b in zip(result, results[0]))
 
 
-@pytest.mark.parametrize("first", [0, 3, 8, 61, 1 << 20])
+@pytest.mark.parametrize("first", [0, 3, 8, 61, 1 << 20, (1 << 35) - 512])  # the last: block 2**32 inside
 @pytest.mark.parametrize("numel", [1, 7, 64, 65, 1000])
 def test_draws_equal_the_streams(first, numel, build):
     for step in (0, 1, (1 << 32) + 5):  # both counter words

@@ -109,32 +109,9 @@ inline __m256 uniforms8(__m256i bits16) {
                        _mm256_set1_ps(kUniformUnit));
 }
 
-// Blocks j .. j + 7 at once (one per lane): their 64 uniforms into u[0..64) in element order.
-inline void draw_8_blocks(uint64_t j, const Stream& s, float* u) {
-  alignas(32) uint32_t low[8], high[8];
-  for (int i = 0; i < 8; ++i) {
-    low[i] = static_cast<uint32_t>(j + i);
-    high[i] = static_cast<uint32_t>((j + i) >> 32);
-  }
-  __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(low));
-  __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(high));
-  __m256i c2 = _mm256_set1_epi32(static_cast<int>(s.step0)), c3 = _mm256_set1_epi32(static_cast<int>(s.step1));
-  uint32_t k0 = s.key0, k1 = s.key1;
-  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kMultiplier0));
-  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(kMultiplier1));
-  for (int round = 0; round < kRounds; ++round) {
-    if (round) {
-      k0 += kKeyStep0;
-      k1 += kKeyStep1;
-    }
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo8(c0, m0, &hi0, &lo0);
-    mulhilo8(c2, m1, &hi1, &lo1);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-    c1 = lo1;
-    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-    c3 = lo0;
-  }
+// The 64 uniforms of 8 Philox outputs (c0..c3: word r of blocks j .. j + 7, one block per lane) into u[0..64) in
+// element order.
+inline void store_uniforms(__m256i c0, __m256i c1, __m256i c2, __m256i c3, float* u) {
   const __m256i low_half = _mm256_set1_epi32(0xFFFF);
   // row r: draw r of each of the 8 blocks; transposed, row i: the 8 draws of block j + i
   __m256 r0 = uniforms8(_mm256_srli_epi32(c0, 16)), r1 = uniforms8(_mm256_srli_epi32(c1, 16));
@@ -158,6 +135,45 @@ inline void draw_8_blocks(uint64_t j, const Stream& s, float* u) {
   _mm256_storeu_ps(u + 48, _mm256_permute2f128_ps(q2, q6, 0x31));
   _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(q3, q7, 0x31));
 }
+
+// Blocks j .. j + 8 kSets - 1 (sets of 8, one block per lane) into u[0 .. 64 kSets) in element order. The sets' rounds
+// interleave, so one set's multiplies run while another's wait (docs/benchmarks.md#the-philox-draw).
+template <int kSets>
+inline void draw_blocks(uint64_t j, const Stream& s, float* u) {
+  __m256i c0[kSets], c1[kSets], c2[kSets], c3[kSets];
+  for (int set = 0; set < kSets; ++set) {
+    alignas(32) uint32_t low[8], high[8];
+    for (int i = 0; i < 8; ++i) {
+      const uint64_t block = j + 8 * set + i;
+      low[i] = static_cast<uint32_t>(block);
+      high[i] = static_cast<uint32_t>(block >> 32);
+    }
+    c0[set] = _mm256_load_si256(reinterpret_cast<const __m256i*>(low));
+    c1[set] = _mm256_load_si256(reinterpret_cast<const __m256i*>(high));
+    c2[set] = _mm256_set1_epi32(static_cast<int>(s.step0));
+    c3[set] = _mm256_set1_epi32(static_cast<int>(s.step1));
+  }
+  uint32_t k0 = s.key0, k1 = s.key1;
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kMultiplier0));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(kMultiplier1));
+  for (int round = 0; round < kRounds; ++round) {
+    if (round) {
+      k0 += kKeyStep0;
+      k1 += kKeyStep1;
+    }
+    const __m256i key0 = _mm256_set1_epi32(static_cast<int>(k0)), key1 = _mm256_set1_epi32(static_cast<int>(k1));
+    for (int set = 0; set < kSets; ++set) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo8(c0[set], m0, &hi0, &lo0);
+      mulhilo8(c2[set], m1, &hi1, &lo1);
+      c0[set] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[set]), key0);
+      c1[set] = lo1;
+      c2[set] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[set]), key1);
+      c3[set] = lo0;
+    }
+  }
+  for (int set = 0; set < kSets; ++set) store_uniforms(c0[set], c1[set], c2[set], c3[set], u + 64 * set);
+}
 #endif
 
 // The uniforms of elements first .. first + n - 1 (first and n multiples of 8) into u[0..n).
@@ -166,7 +182,8 @@ void draw(int64_t first, int64_t n, const Stream& s, float* u) {
   const int64_t blocks = n / 8;
   int64_t b = 0;
 #if defined(__AVX2__)
-  for (; b + 8 <= blocks; b += 8) draw_8_blocks(j0 + b, s, u + 8 * b);
+  for (; b + 16 <= blocks; b += 16) draw_blocks<2>(j0 + b, s, u + 8 * b);
+  for (; b + 8 <= blocks; b += 8) draw_blocks<1>(j0 + b, s, u + 8 * b);
 #endif
   for (; b < blocks; ++b) draw_block(j0 + b, s, u + 8 * b);
 }
