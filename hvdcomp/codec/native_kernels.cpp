@@ -137,7 +137,7 @@ inline void store_uniforms(__m256i c0, __m256i c1, __m256i c2, __m256i c3, float
 }
 
 // Blocks j .. j + 8 kSets - 1 (sets of 8, one block per lane) into u[0 .. 64 kSets) in element order. The sets' rounds
-// interleave, so one set's multiplies run while another's wait (docs/benchmarks.md#the-philox-draw).
+// interleave, so one set's multiplies run while another's wait (docs/benchmarks.md#the-draw-and-the-lane-reads).
 template <int kSets>
 inline void draw_blocks(uint64_t j, const Stream& s, float* u) {
   __m256i c0[kSets], c1[kSets], c2[kSets], c3[kSets];
@@ -206,13 +206,14 @@ void fill_factors(int64_t start, int64_t n, const int64_t* ends, const float* gr
 // Lane values (below 2**31) of 8 consecutive words as int32: (word >> shift) & mask. A logical shift: the masked
 // bits lie below bit 63 - shift, where it equals the reference's arithmetic one.
 inline __m256i lanes_of_8_words(const int64_t* words, __m128i shift, __m256i masks) {
-  const __m256i low_words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // the low 32 bits of each int64 lane first
   const __m256i a = _mm256_and_si256(_mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)),
                                                       shift), masks);
   const __m256i b = _mm256_and_si256(
       _mm256_srl_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 4)), shift), masks);
-  return _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(a, low_words),
-                                   _mm256_permutevar8x32_epi32(b, low_words), 0x20);
+  // the low 32 bits of words 0, 1, 4, 5 | 2, 3, 6, 7, then the middle 64-bit pairs swapped: words 0 .. 7 in order,
+  // two shuffles where three cross-lane permutes cost more (docs/benchmarks.md#the-draw-and-the-lane-reads)
+  const __m256 low_halves = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), _MM_SHUFFLE(2, 0, 2, 0));
+  return _mm256_permute4x64_epi64(_mm256_castps_si256(low_halves), _MM_SHUFFLE(3, 1, 2, 0));
 }
 
 // The 16 values of one lane of a block of 16 words (lane values and offset below 2**31): (lane - offset) * factor,
@@ -943,7 +944,7 @@ inline __m256 hadamard8(__m256 x) {
   x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xAA);
   swapped = _mm256_permute_ps(x, 0x4E);
   x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xCC);
-  swapped = _mm256_permute2f128_ps(x, x, 0x01);
+  swapped = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), _MM_SHUFFLE(1, 0, 3, 2)));  // the halves
   return _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xF0);
 }
 #endif
