@@ -149,6 +149,11 @@ CASES = {
         values, words = torch.ones(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
         attempt('c', lambda: native.library().hvdcomp_pack_lanes(values.data_ptr(), 8, 2, 40, words.data_ptr()))
     """,
+    "kernel_refuses_a_total_past_int32": """
+        sums, planes = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.uint8)
+        attempt('c', lambda: native.library().hvdcomp_requantize_planes(sums.data_ptr(), 8, 1 << 31, 3, 3, 1.0,
+                                                                        rng.data_ptr(), 0, 8, planes.data_ptr()))
+    """,
     "kernel_refuses_partial_blocks": """
         sums, out = torch.zeros(16, dtype=torch.int64), torch.zeros(64)
         attempt('c', lambda: native.library().hvdcomp_counts_mean(sums.data_ptr(), 4, 15, 2, 0, 65, out.data_ptr()))

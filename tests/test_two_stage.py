@@ -295,6 +295,9 @@ def test_native_kernels_refuse_rows_too_small_for_their_planes():
     with pytest.raises(ValueError, match="plane"):
         native_planes.requantize_planes(torch.zeros(17, dtype=torch.int32), 6, 3, 3, 1.0, rng,
                                  torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="cannot re-quantize"):  # the kernel's difference is 32-bit
+        native_planes.requantize_planes(torch.zeros(16, dtype=torch.int32), 1 << 31, 3, 3, 1.0, rng,
+                                        torch.zeros(6, dtype=torch.uint8))
     with pytest.raises(ValueError, match="row factors"):
         native_planes.decode_planes(torch.zeros(2, 30, dtype=torch.uint8), 4, 3, 50, 100, torch.ones(3), groups,
                              torch.tensor([1.0]), 3)

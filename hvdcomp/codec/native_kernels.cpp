@@ -834,14 +834,17 @@ int64_t hvdcomp_sum_planes(const uint8_t* planes, int64_t rows, int64_t row_byte
 }
 
 // The owner's re-quantization (two_stage, step 3) of values [first, last) (first a multiple of 8) of its n summed
-// levels: t_i = (sums_i - total) / total, level sign(t_i) min(floor(|t_i| / scale coarse + U_i), coarse) + coarse with
-// U_i the stream's uniform i, into planes of n values.
+// levels (sum_planes': non-negative): t_i = (sums_i - total) / total, level sign(t_i) min(floor(|t_i| / scale coarse +
+// U_i), coarse) + coarse with U_i the stream's uniform i, into planes of n values. sums_i - total is taken in 32 bits
+// (exact for such sums and total below 2**31; wrapping, not undefined, for others), whose conversion to float
+// vectorizes where an int64's does not without AVX-512 (docs/benchmarks.md#the-draw-and-the-lane-reads).
 int64_t hvdcomp_requantize_planes(const int32_t* sums, int64_t n, int64_t total, int64_t coarse, int64_t width,
                                   float scale, const int64_t* stream_words, int64_t first, int64_t last,
                                   uint8_t* planes) {
-  if (n < 0 || total < 1 || coarse < 0 || !planes_fit(width) || 2 * coarse >= (int64_t{1} << width) || first < 0 ||
-      first % 8 || first > last || last > n || !(scale > 0.0f))
+  if (n < 0 || total < 1 || total > INT32_MAX || coarse < 0 || !planes_fit(width) ||
+      2 * coarse >= (int64_t{1} << width) || first < 0 || first % 8 || first > last || last > n || !(scale > 0.0f))
     return kBadArgument;
+  const uint32_t total32 = static_cast<uint32_t>(total);
   const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
                  static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
   const float limit = static_cast<float>(coarse), divisor = static_cast<float>(total);
@@ -853,7 +856,8 @@ int64_t hvdcomp_requantize_planes(const int32_t* sums, int64_t n, int64_t total,
     const int64_t m = std::min(kChunk, last - at);
     draw(at, (m + 7) / 8 * 8, s, noise);
     for (int64_t i = 0; i < m; ++i) {
-      const float mean = static_cast<float>(sums[at + i] - total) / divisor;
+      const int32_t centred = static_cast<int32_t>(static_cast<uint32_t>(sums[at + i]) - total32);
+      const float mean = static_cast<float>(centred) / divisor;
       float level = std::floor(std::fabs(mean) / scale * limit + noise[i]);
       level = level < limit ? level : limit;
       values[i] = static_cast<int32_t>(std::copysign(level, mean)) + offset;

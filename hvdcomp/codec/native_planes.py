@@ -72,10 +72,11 @@ def requantize_planes(sums: torch.Tensor, total: int, coarse: int, width: int, s
                       out: torch.Tensor) -> torch.Tensor:
     """``out`` (contiguous uint8 ``[plane_bytes(n, width)]``, CPU) <- the bit planes of the chunk owner's levels
     plus ``coarse``: ``sign(t) min(floor(|t| / scale * coarse + U), coarse)`` for ``t = (sums - total) / total`` (int32
-    ``[n]``), ``U`` the uniforms ``0 .. n - 1`` of ``rng`` (``two_stage``, step 3). Returns ``out``."""
+    ``[n]``, non-negative; ``1 <= total < 2**31``), ``U`` the uniforms ``0 .. n - 1`` of ``rng`` (``two_stage``, step
+    3). Returns ``out``."""
     numel = _checked("the level sums", sums, torch.int32).numel()
     _checked("the stage-two planes", out, torch.uint8, plane_bytes(numel, width))
-    if not (1 <= width <= MAX_PLANE_WIDTH and 2 * coarse < 1 << width and total >= 1 and scale > 0):
+    if not (1 <= width <= MAX_PLANE_WIDTH and 2 * coarse < 1 << width and 1 <= total < 1 << 31 and scale > 0):
         raise ValueError(f"cannot re-quantize to {coarse} levels in {width} bits by scale {scale} over {total}")
     rng = _stream(rng)
     lib = _Library.handle
