@@ -948,7 +948,7 @@ inline __m256 hadamard8(__m256 x) {
   x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xAA);
   swapped = _mm256_permute_ps(x, 0x4E);
   x = _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xCC);
-  swapped = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), _MM_SHUFFLE(1, 0, 3, 2)));  // the halves
+  swapped = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), _MM_SHUFFLE(1, 0, 3, 2)));  // halves swapped
   return _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), 0xF0);
 }
 #endif
