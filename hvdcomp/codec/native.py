@@ -137,7 +137,7 @@ def _groups(groups: torch.Tensor, factors: torch.Tensor,
     factors = factors.to("cpu", torch.float32).contiguous()
     if factors.shape != lengths.shape:
         raise ValueError(f"{factors.numel()} scale factors for {groups.numel()} scale groups")
-    return lengths.cumsum(0), factors, total
+    return (lengths if lengths.numel() <= 1 else lengths.cumsum(0)), factors, total
 
 
 def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:

@@ -76,6 +76,7 @@ class LaneLayout:
             )
 
     @classmethod
+    @functools.cache  # one immutable layout per argument tuple: codec calls ask per tensor
     def for_levels(cls, s: int, world_size: int, word_bits: int = INT64_WORD_BITS) -> LaneLayout:
         """Layout for signed levels in ``[-s, s]`` (stored as ``level + s`` in ``[0, 2s]``)."""
         return cls(span=2 * s, world_size=world_size, word_bits=word_bits, offset=s)

@@ -114,7 +114,7 @@ class MaxNormQuantizer:
                 lengths.append(torch.full((full + (rest > 0),), self.chunk_size, dtype=torch.int64))
                 if rest:
                     lengths[-1][-1] = rest
-        return torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64)
+        return lengths[0] if len(lengths) == 1 else torch.cat(lengths or [torch.empty(0, dtype=torch.int64)])
 
     # -- step 1: shared scale --------------------------------------------------------------------
     def local_stats(self, x: torch.Tensor, groups: torch.Tensor,
@@ -246,7 +246,7 @@ class MaxNormQuantizer:
 
     def group_units(self, scale_stats: torch.Tensor) -> torch.Tensor:
         """float32 per scale group: ``s / M``, the factor from values to levels (single resolution)."""
-        return float(self.coarse_levels) / self._scales(scale_stats)
+        return self._scales(scale_stats).reciprocal_().mul_(float(self.coarse_levels))  # float / tensor's own ops
 
     def step_sizes(self, scale_stats: torch.Tensor, groups: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 ``[numel]``: ``group_steps`` per element (a new tensor)."""

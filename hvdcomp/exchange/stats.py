@@ -71,13 +71,16 @@ class Traffic:
             self.inter_node_wire_bytes += wire
 
     def add(self, other: Traffic) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _TRAFFIC_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.update(sent_bytes=self.sent_bytes, compression_ratio=self.compression_ratio)
         return out
+
+
+_TRAFFIC_FIELDS = tuple(f.name for f in fields(Traffic))  # read once: every gradient adds its traffic twice
 
 
 @dataclass

@@ -40,9 +40,10 @@ uncompressed all-reduce would; ``torch.amp.GradScaler`` then skips the step) and
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +134,9 @@ class StockAdapter:
         self._warming = self._warmup_done < self.codec.warmup_steps
         self._warmup_done += self._warming
 
-    def _exchange_of(self, flat: torch.Tensor, key: Hashable, step: int, world_size: int, tag: int) -> Exchange:
-        """``codec.inner``'s exchange of ``flat``, its MAX rounds stamped with ``tag``."""
+    def _exchange_of(self, flat: torch.Tensor, key: Hashable, step: int, world_size: int,
+                     tag: Callable[[], int]) -> Exchange:
+        """``codec.inner``'s exchange of ``flat``, its MAX rounds stamped with ``tag()`` (computed only for them)."""
         inner = self.codec.inner
         if isinstance(inner, AheadMaxNorm):  # with an agreed scale, its payload rides in the carrier
             exchange = inner.exchange(flat, [flat.numel()], key, step, world_size,
@@ -145,10 +147,10 @@ class StockAdapter:
                 "in each step, with the same compressor settings")
 
         def stamp(op: Op, request: torch.Tensor) -> tuple[Op, torch.Tensor]:
-            return op, carrier.stamp(request, tag) if op is Op.MAX else request
+            return op, carrier.stamp(request, tag()) if op is Op.MAX else request
 
         def unstamp(op: Op, reduced: torch.Tensor) -> torch.Tensor:
-            return carrier.unstamp(reduced, tag, hint) if op is Op.MAX else reduced
+            return carrier.unstamp(reduced, tag(), hint) if op is Op.MAX else reduced
 
         return relay(exchange, stamp, unstamp)
 
@@ -179,7 +181,8 @@ class StockAdapter:
 
         traffic = Traffic(uncompressed_bytes=tensor.numel() * tensor.element_size())
         start = time.perf_counter()
-        exchange = self._exchange_of(flat, key, step, world_size, tag(False))
+        exact_tag = functools.cache(lambda: tag(False))  # a payload agreed ahead sends no MAX: no tag to hash
+        exchange = self._exchange_of(flat, key, step, world_size, exact_tag)
         request = advance(exchange, None)
         traffic.compress_s += time.perf_counter() - start
         if isinstance(request, StopIteration):
@@ -191,7 +194,7 @@ class StockAdapter:
             sent = carrier.wrap(words, world_size, ctx.tag, out=buffer)
         else:
             order = (0 if name is not None else 1, key, step)
-            ctx = _Context(_replayed(request, exchange), key, tag(False), tensor.shape, tensor.dtype, world_size,
+            ctx = _Context(_replayed(request, exchange), key, exact_tag(), tensor.shape, tensor.dtype, world_size,
                            traffic, self._batch, order)
             self._batch.contexts.append(ctx)
             sent = carrier.wrap(torch.zeros(0, dtype=torch.int64, device=tensor.device), world_size, ctx.tag)
