@@ -159,8 +159,8 @@ class Runner:
             if flat is None:
                 flat = bucket.flat(flat_dtype)
                 inputs: list[Any] = fill_flat(flat, grads, bucket.sizes)
-            else:
-                inputs = list(flat.split(bucket.sizes))
+            else:  # the gradients are views of flat already
+                inputs = list(grads)
         else:
             inputs = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
         exchange = bucket_exchange(codec, flat, inputs, bucket.key, state.step, self.transport, self.hierarchical,
@@ -168,6 +168,9 @@ class Runner:
         kept = flat is not None and not codec.reuses_result
 
         def write_back(result: Any) -> None:
+            if in_place is not None and result.data_ptr() == in_place.data_ptr():  # the means are in the gradients
+                deliver(bucket, inputs, False)
+                return
             means = result.split(bucket.sizes) if isinstance(result, torch.Tensor) else result
             keep = kept and result.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
             deliver(bucket, [mean.view(p.shape) for mean, p in zip(means, bucket.params)], keep)
