@@ -8,7 +8,8 @@ several tensors run as fused kernels (``hvdcomp.codec.fused``): ``round_to_half`
 ``sum_rows_to_half`` (W reads, one write), ``mean_from_half_sums`` (with the NaN/Inf check in the same pass) and
 ``add_rounding_error``, because fused passes cost a fraction of the eager ones
 (docs/benchmarks.md#kernel-level-measurements). Compiled, they write straight into those buffers (no gradient-sized
-temporary; eagerly the chunk sum and the NaN/Inf check allocate one). Their ``_eager`` functions are the readable
+temporary; eagerly the chunk sum and the NaN/Inf check allocate one). On the CPU the mean runs as a native kernel
+where ``native.usable`` says (``hvdcomp.codec.native_half``). Their ``_eager`` functions are the readable
 reference: the same float32 operations in the same order, so both paths give the same bits (but for a NaN's payload:
 eager float16 conversion gives 0x7fff, compiled 0x7e00; both are NaN).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native, native_half
 from .fused import FusedKernel, static
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -117,6 +119,8 @@ def mean_from_half_sums(sums: torch.Tensor, world_size: int, out: torch.Tensor, 
     _check("out", out, (torch.float32,), tuple(sums.shape))
     if sums.dtype not in HALF_DTYPES:
         raise ValueError(f"sums must be float16 or bfloat16, got {sums.dtype}")
+    if native.usable(out) and native.usable(sums, sums.dtype):
+        return native_half.half_mean(sums, world_size, out, check_finite)
     if not check_finite:
         _mean(sums, world_size, out)
         return True

@@ -152,6 +152,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_rotate": [_POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _INT],
     "hvdcomp_gather_checked": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT],
     "hvdcomp_birder_update": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
+    "hvdcomp_half_mean": [_POINTER, _INT, _INT, _FLOAT, _INT, _INT, _POINTER, _POINTER],
 }
 
 

@@ -1009,3 +1009,66 @@ int64_t hvdcomp_rotate(float* x, int64_t numel, const int64_t* ends, int64_t gro
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------------------------
+// The 16-bit exchange's mean (hvdcomp/codec/half.py's _mean_eager and _mean_all_finite_eager): 16-bit sums widened to
+// float32 exactly, then divided by W, in one pass. tests/test_native_half.py checks it bit for bit.
+
+namespace {
+
+constexpr int64_t kFloat16 = 0, kBFloat16 = 1;  // native_half.py's KINDS
+
+// The float32 value of 16-bit float bits h (IEEE binary16 for kFloat16, the upper half of a float32 for kBFloat16):
+// exact, NaN stays NaN.
+inline float widen(uint16_t h, int64_t kind) {
+  uint32_t bits;
+  if (kind == kBFloat16) {
+    bits = static_cast<uint32_t>(h) << 16;
+  } else {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2**-24, exact in float32
+      const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+      return sign ? -magnitude : magnitude;
+    }
+    bits = exponent == 0x1F ? sign | 0x7F800000u | (mantissa << 13)  // infinity or NaN
+                            : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[i] <- widen(sums[i]) / divisor for i in [first, last) of n (divisor = W >= 1, as float32); with nonfinite not
+// null, *nonfinite <- 1 if one of those means is NaN or infinite (never cleared).
+int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float divisor, int64_t first, int64_t last,
+                          float* out, uint8_t* nonfinite) {
+  if ((kind != kFloat16 && kind != kBFloat16) || !(divisor >= 1.0f) || first < 0 || first > last || last > n)
+    return kBadArgument;
+  int64_t i = first;
+  bool bad = false;
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 divisors = _mm256_set1_ps(divisor), sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+  int bad_lanes = 0;
+  for (; i + 8 <= last; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + i));
+    const __m256 wide = kind == kBFloat16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                          : _mm256_cvtph_ps(h);
+    const __m256 mean = _mm256_div_ps(wide, divisors);
+    _mm256_storeu_ps(out + i, mean);
+    bad_lanes |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, mean), largest, _CMP_LE_OQ)) ^ 0xFF;
+  }
+  bad = bad_lanes != 0;
+#endif
+  for (; i < last; ++i) {
+    out[i] = widen(sums[i], kind) / divisor;
+    bad |= !(std::fabs(out[i]) <= FLT_MAX);
+  }
+  if (bad && nonfinite != nullptr) *nonfinite = 1;
+  return 0;
+}
+
+}  // extern "C"
