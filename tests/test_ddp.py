@@ -389,11 +389,11 @@ def test_bucket_exchange_routes_both_codec_kinds():
 
 
 
-@pytest.mark.parametrize("name, args, default_mb", [("FP16", (), 8.0), ("BF16", (), 8.0), ("QSGDMaxNorm", (4,), 8.0),
+@pytest.mark.parametrize("name, args, default_mb", [("FP16", (), 25.0), ("BF16", (), 25.0), ("QSGDMaxNorm", (4,), 8.0),
                                                     ("QSGDMaxNormMultiScale", ((4, 8),), 25.0), (None, (), 25.0)])
 def test_default_codec_buckets_are_the_codecs_bucket_mb_else_ddps(name, args, default_mb):
-    """``hvdcomp.DistributedOptimizer``'s rule: the codec's ``bucket_mb`` where it has one, else DDP's 25 MiB;
-    ``bucket_size_mb`` wins."""
+    """The codec's ``bucket_mb`` where it has one and splits deliveries, else DDP's 25 MiB (``FP16`` and ``BF16``:
+    DDP's own buckets, though ``hvdcomp.DistributedOptimizer`` takes their 8 MiB); ``bucket_size_mb`` wins."""
     import hvdcomp
     import hvdcomp.ddp
     from hvdcomp.exchange.plan import Delivery

@@ -81,10 +81,13 @@ class Segments(Sequence[int]):
 class BucketCodec(ABC):
     """The parts every codec has: rank binding, checkpointable state, its configuration, and the settings entry
     points read from it: ``bucket_mb``, the bucket size (MiB of float32 gradients) the codec runs best with where
-    the caller gives none (None: the caller's own), and ``warmup_steps``, the exchanges an entry point sends
-    uncompressed first (``hvdcomp.exchange.state``)."""
+    the caller gives none (None: the caller's own); ``splits_deliveries``, whether that size should also split
+    what arrives at once (one of DDP's buckets: it pays where a bucket's encode overlaps the previous bucket's
+    wire; where not, the DDP door exchanges DDP's own buckets); and ``warmup_steps``, the exchanges an entry point
+    sends uncompressed first (``hvdcomp.exchange.state``)."""
 
     bucket_mb: float | None = None
+    splits_deliveries: bool = True
     warmup_steps: int = 0
     inner: BucketCodec | None = None  # the codec a wrapping codec runs (state of its own that one door may own)
 

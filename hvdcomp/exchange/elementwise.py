@@ -96,8 +96,10 @@ class HalfCodec(ElementwiseCodec):
     half_dtype: torch.dtype
     takes_out = True
     # Small buckets keep the first bucket's rounding and the last one's mean short, outside the wire's time
-    # (docs/benchmarks.md).
+    # (docs/benchmarks.md); within one of DDP's buckets a rounding copy is too short to overlap anything, and fewer
+    # collectives win (docs/benchmarks.md#ddps-own-buckets-for-the-16-bit-codecs).
     bucket_mb = 8.0
+    splits_deliveries = False
 
     def __init__(self, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None

@@ -12,9 +12,9 @@ and a resumed process starts from one bucket again. Codec state keyed by DDP's b
 memories, PowerSGD's ``Q``s, the order in which rounding draws are taken) would neither survive the
 rebuild nor resume exactly. So the state plans its own *codec buckets* from the parameters alone
 (reverse model order, split by dtype and device, ``bucket_size_mb`` each, by default the codec's ``bucket_mb``
-where it has one, else DDP's ``bucket_cap_mb``: ``hvdcomp.DistributedOptimizer``'s rule, and cut where DDP's
-rebuilt buckets will be cut, by DDP's size rule and caps, so that none waits for two of them), and DDP's buckets
-only deliver gradients to them:
+where it has one and splits deliveries (``BucketCodec.splits_deliveries``: not ``FP16`` and ``BF16``, whose codec
+buckets are DDP's own), else DDP's ``bucket_cap_mb``, and cut where DDP's rebuilt buckets will be cut, by DDP's size
+rule and caps, so that none waits for two of them), and DDP's buckets only deliver gradients to them:
 
 1. each DDP bucket's hook records its gradients (``bucket.parameters()`` / ``bucket.gradients()``), which
    are also where the means must go: DDP's bucket is the hook's until its future completes, so a codec bucket
@@ -257,7 +257,7 @@ def _state(compression: Any, process_group: Any, hierarchical: bool | None, buck
     """An unbound ``CompressionState`` for ``compression``; every argument checked, on every worker alike."""
     codec = resolve_codec(compression)
     if bucket_size_mb is None:
-        bucket_size_mb = codec.bucket_mb or delivery.rest_mb
+        bucket_size_mb = codec.bucket_mb if codec.bucket_mb and codec.splits_deliveries else delivery.rest_mb
     hierarchical = False if hierarchical is None else check_bool("hierarchical", hierarchical)
     check_real("bucket_size_mb", bucket_size_mb, low_open=True)
     exchange_state = ExchangeState(codec, DOOR, {"hierarchical": hierarchical}, resolve_warmup(compression, None))
@@ -283,10 +283,10 @@ def register(ddp_model: DistributedDataParallel, compression: Any, process_group
         hierarchical: ``True``: full precision inside nodes, compressed between them (needs the default
             process group and equal nodes of consecutive ranks, as torchrun places them). ``None`` or
             ``False``: over all workers (see the module docstring for why that is the default).
-        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb``, 8 for ``FP16``, ``BF16``
-            and ``QSGDMaxNorm``'s scale agreed ahead, else the DDP model's ``bucket_cap_mb``), cut where the DDP
-            model's caps will cut its buckets; the codec's state and results depend on these, not on the buckets
-            DDP uses in a step.
+        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb`` where it splits deliveries,
+            8 for ``QSGDMaxNorm``'s scale agreed ahead, else the DDP model's ``bucket_cap_mb``: ``FP16`` and
+            ``BF16`` exchange DDP's own buckets), cut where the DDP model's caps will cut its buckets; the codec's
+            state and results depend on these, not on the buckets DDP uses in a step.
 
     Returns:
         the ``CompressionState``: ``stats``, ``state_dict()``, ``load_state_dict()``.
@@ -315,8 +315,8 @@ def hook(compression: Any, process_group: Any = None, hierarchical: bool | None 
         compression: as for ``register``.
         process_group: the workers to average over: the DDP model's (default: the default process group).
         hierarchical: as for ``register``.
-        bucket_size_mb: size of the codec buckets (default: the codec's ``bucket_mb`` where it has one, else the
-            DDP model's ``bucket_cap_mb``, as ``register`` takes it).
+        bucket_size_mb: size of the codec buckets (default: as for ``register``, with ``bucket_cap_mb`` for the
+            DDP model's).
         bucket_cap_mb: the ``bucket_cap_mb`` the DDP model was built with, where it was given one (default: DDP's
             default caps, 1 MiB for its first bucket, then 25 MiB). The codec buckets are cut where these caps cut
             DDP's buckets, as ``register`` cuts them from the model's caps; with other caps than the model's the
