@@ -75,7 +75,7 @@ class Traffic:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {name: getattr(self, name) for name in _TRAFFIC_FIELDS}
         out.update(sent_bytes=self.sent_bytes, compression_ratio=self.compression_ratio)
         return out
 
