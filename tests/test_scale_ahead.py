@@ -1,10 +1,12 @@
 """The scale agreed one step ahead on the stock optimizer's path: ``AheadMaxNorm``'s exchange with its payload in
 a float64 carrier (``carrier_bits``), reduced by one SUM as Horovod reduces it, W workers simulated in one process."""
 
+import contextlib
+
 import pytest
 import torch
 
-from hvdcomp.codec import carrier
+from hvdcomp.codec import carrier, fused
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.exchange import MaxNormCodec, Op, simulate
 from hvdcomp.exchange.ahead import AheadMaxNorm
@@ -25,7 +27,8 @@ def _carried(codec, key, values, step, world_size, op):
         op_, tensor = request
         if ahead:
             assert op_ is Op.PAYLOAD
-            reduced = yield Op.SUM, carrier.wrap(tensor, world_size, TAG)
+            assert tensor.dtype == torch.float64 and tensor.numel() > carrier.HEADER  # the carrier, but its header
+            reduced = yield Op.SUM, carrier.seal(tensor.clone(), world_size, TAG)
             result, averaged = carrier.unwrap(reduced / world_size if op == "average" else reduced, world_size, TAG)
             assert averaged == (op == "average" and world_size > 1)
         else:
@@ -144,3 +147,14 @@ def test_nonfinite_gradient_gives_nan_everywhere_and_leaves_memory():
 def test_multiscale_is_refused():
     with pytest.raises(ValueError, match="single resolution"):
         AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((2, 6))))
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_all_zero_gradients_ride_in_the_carrier(eager):
+    """Zeros' statistics are +0.0 on every path (eager ``local_stats`` too), so their rows are carrier words."""
+    codecs = _workers(2, 4)
+    with fused.eager() if eager else contextlib.nullcontext():
+        for step in range(3):
+            mean, _, ahead = _step(codecs, [torch.zeros(50), -torch.zeros(50)], step)
+            assert ahead == (step > 0) and torch.equal(mean, torch.zeros(50))
+            assert not codecs[0].inner.quantizer.local_stats(-torch.zeros(50), torch.tensor([50])).signbit().any()

@@ -14,7 +14,9 @@ such integers are exact in float64, and with a (non power of two) predivide fact
 integer word sums (only a Sum, leaving ``W``, or an Average, leaving 1, is accepted), and the header
 checks that every worker agreed: same world size, and the same ``tag`` (a hash of the compressor's
 configuration, tensor and step) — equal means of ``tag`` and ``tag**2`` imply all tags are equal.
-Any mismatch raises ``CarrierMismatchError``.
+Any mismatch raises ``CarrierMismatchError``. The words are written where they are sent: an encode writes
+them as float64 into a message whose first ``HEADER`` elements ``seal`` fills, and ``unwrap`` turns the reduced
+words into their int64 sums in the same memory (docs/benchmarks.md#the-float-carrier-in-place).
 
 On the stock optimizer's path (``hvdcomp.integrations.stock``), exact exchanges send carriers without
 words, as headers only (their payload travels as int64 in a batched exchange); the words carry the packed
@@ -28,8 +30,12 @@ from __future__ import annotations
 
 import torch
 
+from . import native, native_carrier
+
 HEADER = 4
 TAG_BITS = 16
+_TWO_52, _TWO_52_BITS = 2.0**52, 0x4330000000000000  # 2**52 and its float64 bits
+_SUM_LIMIT = 2**51  # every sum of carrier words lies below it (word_bits)
 
 
 class CarrierMismatchError(RuntimeError):
@@ -66,36 +72,40 @@ def unstamp(reduced: torch.Tensor, tag: int, hint: str = "") -> torch.Tensor:
     return reduced[:-2]
 
 
-def wrap(words: torch.Tensor, world_size: int, tag: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 ``[HEADER + len(words)]`` carrier for int64 ``words`` (each below ``2**word_bits(W)``), written
-    into ``out`` if given (float64, of that size)."""
-    header = torch.tensor([1.0, float(world_size), float(tag), float(tag) ** 2], dtype=torch.float64)
-    if out is None:
-        return torch.cat([header.to(words.device), words.to(torch.float64)])
-    if out.dtype != torch.float64 or out.shape != (HEADER + words.numel(),):
-        raise ValueError(f"a carrier of {words.numel()} words needs a float64 [{HEADER + words.numel()}] buffer, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    out[:HEADER] = header
-    out[HEADER:].copy_(words)
-    return out
+def seal(message: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
+    """``message`` (float64 ``[HEADER + n]``, its ``n`` words already in place as float64 integers below
+    ``2**word_bits(W)``) with the header written into its first ``HEADER`` elements: the carrier, returned."""
+    if message.dtype != torch.float64 or message.dim() != 1 or message.numel() < HEADER:
+        raise ValueError(f"a carrier is a float64 [{HEADER} + words] tensor, got {message.dtype} "
+                         f"{tuple(message.shape)}")
+    message[:HEADER] = torch.tensor([1.0, float(world_size), float(tag), float(tag) ** 2], dtype=torch.float64)
+    return message
 
 
-def unwrap(reduced: torch.Tensor, world_size: int, tag: int,
-           out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-    """Exact int64 sums of the workers' words from a reduced carrier (written into ``out`` if given: int64, one
-    per word), and whether the reduction averaged (True) or summed (False). The words of ``reduced`` are
-    scaled and rounded in place: no carrier-sized allocation (docs/benchmarks.md#the-stock-adapter).
-    Raises ``CarrierMismatchError`` on any disagreement, before anything is written."""
-    if reduced.dtype != torch.float64 or reduced.dim() != 1 or reduced.numel() < HEADER:
+def wrap(words: torch.Tensor, world_size: int, tag: int) -> torch.Tensor:
+    """A new float64 ``[HEADER + len(words)]`` carrier for integer ``words`` (each below ``2**word_bits(W)``)."""
+    message = torch.empty(HEADER + words.numel(), dtype=torch.float64, device=words.device)
+    message[HEADER:].copy_(words.reshape(-1))
+    return seal(message, world_size, tag)
+
+
+def unwrap(reduced: torch.Tensor, world_size: int, tag: int) -> tuple[torch.Tensor, bool]:
+    """Exact int64 sums of the workers' words from a reduced carrier, and whether the reduction averaged (True) or
+    summed (False). The sums are written over the words of ``reduced``, in place (a one-pass kernel where
+    ``native.usable`` says): the result is an int64 view of ``reduced[HEADER:]``, no allocation
+    (docs/benchmarks.md#the-float-carrier-in-place). Raises ``CarrierMismatchError`` on any disagreement in the
+    header, before anything is written, or when a word's sum is none that carriers make."""
+    if reduced.dtype != torch.float64 or reduced.dim() != 1 or reduced.numel() < HEADER or not reduced.is_contiguous():
         raise CarrierMismatchError(
-            f"expected a float64 carrier of at least {HEADER} elements, got {reduced.dtype} {tuple(reduced.shape)}"
+            f"expected a contiguous float64 carrier of at least {HEADER} elements, got {reduced.dtype} "
+            f"{tuple(reduced.shape)}"
         )
     canary, sizes, tags, tags_sq = reduced[:HEADER].tolist()
     # Sum leaves the canary at W; Average (with or without predivide) scales every element by 1/W.
     if abs(canary - world_size) <= 1e-9 * world_size:
-        factor = 1.0  # with W = 1 a Sum and an Average are the same
+        multiplier = 1  # with W = 1 a Sum and an Average are the same
     elif abs(canary - 1.0) <= 1e-9:
-        factor = 1.0 / world_size
+        multiplier = world_size
     else:
         raise CarrierMismatchError(
             f"the reduction turned the canary 1 into {canary!r}: expected {world_size} (Sum over {world_size} "
@@ -112,10 +122,15 @@ def unwrap(reduced: torch.Tensor, world_size: int, tag: int,
             f"counts differ): tag {tag} here, mean tag {mean_tag:.6g} over the workers"
         )
     words = reduced[HEADER:]
-    if out is not None and (out.dtype != torch.int64 or out.shape != words.shape):
-        raise ValueError(f"the sums of {words.numel()} words need an int64 [{words.numel()}] buffer, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    if factor != 1.0:
-        words.div_(factor)
-    words.round_()
-    return (words.to(torch.int64) if out is None else out.copy_(words)), factor != 1.0
+    if native.usable(words, torch.float64):
+        in_range = native_carrier.carrier_sums(words, multiplier)
+        sums = words.view(torch.int64)
+    else:  # the kernel's arithmetic in torch: adding 2**52 rounds to an integer, whose bits less those of 2**52 it is
+        sums = (words.mul_(multiplier) if multiplier != 1 else words).add_(_TWO_52).view(torch.int64).sub_(_TWO_52_BITS)
+        in_range = bool(((sums >= 0) & (sums < _SUM_LIMIT)).all())
+    if not in_range:
+        raise CarrierMismatchError(
+            f"a word of the reduced carrier is no sum of carrier words (outside [0, 2**51) after scaling by "
+            f"{multiplier}): the all-reduce did not sum what the compressor sent, or a worker's words were corrupted"
+        )
+    return sums, multiplier != 1

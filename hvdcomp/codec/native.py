@@ -1,12 +1,12 @@
 """Hand-written CPU kernels for the single-resolution max-norm codec and Birder: ``native_kernels.cpp``, through ctypes.
 
 QSGD's encode (Philox draw, stochastic rounding, sign, offset, lane packing) and decode (unpack, offset, scale),
-and Birder's moments update and draw (into lane words or bools), its mean from +1 counts, and its re-binarization
-and bit packing, unpacking and counting for the two-stage and hierarchical routes, each run as one pass over
-the bucket, a few thousand values at a time through stack buffers, with QSGD's per-element scale factor read from
-per-group factors (no gradient-sized buffer besides the result); Birder's per-parameter passes are in
-``native_birder``, the two-stage exchange's bit planes in ``native_planes``. They compute exactly what the eager
-reference computes (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
+Birder's moments update and draw (into lane words or bools), its mean from +1 counts, its re-binarization and bit
+packing, unpacking and counting for the two-stage and hierarchical routes, each one pass over the bucket, a few
+thousand values at a time through stack buffers, QSGD's per-element factor read from per-group factors (no
+gradient-sized buffer besides the result); Birder's per-parameter passes are in ``native_birder``, bit planes in
+``native_planes``, 16-bit means in ``native_half``, a float carrier's sums in ``native_carrier``. They compute exactly
+what the eager reference computes (``hvdcomp.codec.quantize``, ``hvdcomp.codec.onebit``; ``tests/test_native.py``).
 
 **Sizes.** Every wrapper below checks the device, dtype, contiguity and size of each tensor it hands the kernels
 (O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; each kernel also refuses sizes that cannot
@@ -123,18 +123,17 @@ def _stream(rng: torch.Tensor) -> torch.Tensor:
     return _checked("the stream words", rng.to(torch.int64).contiguous(), torch.int64, 4)
 
 
-def _check_lanes(lanes: int, width: int) -> None:
-    if not (lanes >= 1 and width >= 1 and lanes * width <= 64):
-        raise ValueError(f"{lanes} lanes of {width} bits do not fit a 64-bit word")
+def _check_lanes(lanes: int, width: int, word_bits: int = 64) -> None:  # 52 for float64 words
+    if not (lanes >= 1 and width >= 1 and lanes * width <= word_bits):
+        raise ValueError(f"{lanes} lanes of {width} bits do not fit a {word_bits}-bit word")
 
 
 def _groups(groups: torch.Tensor, factors: torch.Tensor,
             numel: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """int64 cumulative group ends and float32 per-group factors, contiguous on the CPU, and the groups' elements,
     checked: one factor per group, the groups splitting ``numel`` values (any number: None)."""
-    lengths = groups.to("cpu", torch.int64)
+    lengths, factors = groups.to("cpu", torch.int64), factors.to("cpu", torch.float32).contiguous()
     total = group_total(lengths, numel)
-    factors = factors.to("cpu", torch.float32).contiguous()
     if factors.shape != lengths.shape:
         raise ValueError(f"{factors.numel()} scale factors for {groups.numel()} scale groups")
     return (lengths if lengths.numel() <= 1 else lengths.cumsum(0)), factors, total
@@ -153,31 +152,32 @@ def uniform(numel: int, rng: torch.Tensor, first: int = 0) -> torch.Tensor:
 
 def _output(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Tensor:
     """``out``, checked to be a contiguous CPU ``[size]`` tensor of ``dtype``, or a new one if None."""
-    if out is None:
-        return torch.empty(size, dtype=dtype)
-    if not (out.shape == (size,) and out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu"):
+    if out is not None and not (out.shape == (size,) and out.dtype == dtype and out.is_contiguous()
+                                and out.device.type == "cpu"):
         raise ValueError(f"the kernel writes a contiguous {dtype} [{size}] CPU tensor, not {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    return out
+    return torch.empty(size, dtype=dtype) if out is None else out
 
 
 def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, lanes: int, width: int,
            rng: torch.Tensor, out: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given): ``quantize``'s encode words of flat float32
-    ``x`` (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream
-    words; ``stats`` (float32 ``[len(groups) + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass."""
-    _check_lanes(lanes, width)
+    """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given; a float64 ``out``, for a float carrier, gets
+    each word's value as float64: ``lanes * width <= 52``): ``quantize``'s encode words of flat float32 ``x``
+    (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream words;
+    ``stats`` (float32 ``[len(groups) + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass."""
+    float_words = out is not None and out.dtype == torch.float64
+    _check_lanes(lanes, width, 52 if float_words else 64)
     numel = _checked("x", x, torch.float32).numel()
     ends, factors, _ = _groups(groups, factors, numel)
     rng = _stream(rng)
-    out = _output(out, lane_block_words(numel, lanes), torch.int64)
+    out = _output(out, lane_block_words(numel, lanes), torch.float64 if float_words else torch.int64)
     stats = None if stats is None else _output(stats, ends.numel() + 1, torch.float32)
 
     def run(first: int, last: int) -> torch.Tensor | None:  # this range's statistics, zeroed first (all: stats)
         part = None if stats is None else stats if last - first == out.numel() * lanes else torch.empty_like(stats)
         _Library.handle.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
                                        lanes, width, rng.data_ptr(), first, last, out.data_ptr(),
-                                       None if part is None else part.zero_().data_ptr())
+                                       None if part is None else part.zero_().data_ptr(), int(float_words))
         return part
 
     partials = _in_parallel(run, out.numel() * lanes, lane_block_values(lanes))

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
-_POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_POINTER, _INT, _FLOAT, _DOUBLE = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 
 
 def compiler() -> str:
@@ -128,7 +128,7 @@ def _check_status(status: int, function: Any, args: tuple) -> int:
 
 _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for arguments that cannot be right)
     "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER,
-                       _POINTER],
+                       _POINTER, _INT],
     "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_uniform": [_POINTER, _INT, _INT, _POINTER],
     "hvdcomp_draw_bits": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT,
@@ -153,6 +153,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_gather_checked": [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT],
     "hvdcomp_birder_update": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
     "hvdcomp_half_mean": [_POINTER, _INT, _INT, _FLOAT, _INT, _INT, _POINTER, _POINTER],
+    "hvdcomp_carrier_sums": [_POINTER, _INT, _DOUBLE, _INT, _INT, _POINTER],
 }
 
 

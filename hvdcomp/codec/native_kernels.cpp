@@ -230,13 +230,26 @@ inline void decode_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, 
   }
 }
 
+// Words 0 .. 3 of `sums` at dst: as int64, or (float_words) as float64 of the same values, each below 2**52 (the
+// float carrier, hvdcomp/codec/carrier.py): OR-ing in the exponent of 2**52 gives 2**52 + w exactly, and subtracting
+// 2**52 leaves w.
+inline void store_4_words(__m256i sums, bool float_words, int64_t* dst) {
+  if (!float_words) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), sums);
+    return;
+  }
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+  _mm256_storeu_pd(reinterpret_cast<double*>(dst),
+                   _mm256_sub_pd(_mm256_or_pd(_mm256_castsi256_pd(sums), two52), two52));
+}
+
 // The words of n values at x (whole lane blocks, all of one scale group, whose factor is `factor`) into words[0 ..
-// n / L): hvdcomp_encode's levels with uniforms noise[0 .. n), packed as pack_lane_blocks packs them, 8 values at a
-// time, the same float32 operations. kStats: also *high <- max(*high, their finite |x|), and whether one of them is
+// n / L): hvdcomp_encode's levels with uniforms noise[0 .. n), packed as pack_lane_blocks packs them (float_words: as
+// float64), 8 values at a time, the same float32 operations. kStats: also *high <- max(*high, their finite |x|), and whether one of them is
 // NaN or infinite (returned; else false).
 template <bool kStats>
 inline bool encode_one_group_avx2(const float* x, const float* noise, int64_t n, float factor, int64_t coarse,
-                                  int64_t lanes, int64_t width, int64_t* words, float* high) {
+                                  int64_t lanes, int64_t width, bool float_words, int64_t* words, float* high) {
   const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX), factors = _mm256_set1_ps(factor);
   const __m256 limit = _mm256_set1_ps(static_cast<float>(coarse));
   const __m256i offset = _mm256_set1_epi32(static_cast<int>(coarse));
@@ -267,9 +280,7 @@ inline bool encode_one_group_avx2(const float* x, const float* noise, int64_t n,
         sums[2 * h + 1] = _mm256_add_epi64(sums[2 * h + 1], _mm256_sll_epi64(upper, shift));
       }
     }
-    for (int q = 0; q < 4; ++q) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
-    }
+    for (int q = 0; q < 4; ++q) store_4_words(sums[q], float_words, words + k * kBlockWords + 4 * q);
   }
   if (kStats) {
     alignas(32) float lanes_high[8];
@@ -293,8 +304,10 @@ inline void counts_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, 
 #endif
 
 // words[0 .. n / L) <- the n lane values (whole lane blocks) in the blocked order (packing.pack_lane_blocks): lane
-// l of word B k + j holds value L B k + B l + j, shifted left by l * width.
-void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t width, int64_t* words) {
+// l of word B k + j holds value L B k + B l + j, shifted left by l * width; with float_words, each word as the float64
+// of its value (below 2**52: lanes * width <= 52).
+void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t width, int64_t* words,
+                      bool float_words = false) {
   const int64_t per_block = kBlockWords * lanes;
   for (int64_t k = 0; k < n / per_block; ++k) {
     const int32_t* v = values + k * per_block;
@@ -307,15 +320,19 @@ void pack_lane_blocks(const int32_t* values, int64_t n, int64_t lanes, int64_t w
         sums[q] = _mm256_add_epi64(sums[q], _mm256_sll_epi64(_mm256_cvtepi32_epi64(lane), shift));
       }
     }
-    for (int q = 0; q < 4; ++q) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + k * kBlockWords + 4 * q), sums[q]);
-    }
+    for (int q = 0; q < 4; ++q) store_4_words(sums[q], float_words, words + k * kBlockWords + 4 * q);
 #else
     int64_t sum[kBlockWords];
     for (int64_t j = 0; j < kBlockWords; ++j) sum[j] = v[j];
     for (int64_t l = 1; l < lanes; ++l)
       for (int64_t j = 0; j < kBlockWords; ++j) sum[j] += static_cast<int64_t>(v[l * kBlockWords + j]) << (l * width);
-    std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
+    if (float_words) {
+      double exact[kBlockWords];
+      for (int64_t j = 0; j < kBlockWords; ++j) exact[j] = static_cast<double>(sum[j]);
+      std::memcpy(words + k * kBlockWords, exact, sizeof(exact));
+    } else {
+      std::memcpy(words + k * kBlockWords, sum, sizeof(sum));
+    }
 #endif
   }
 }
@@ -370,6 +387,8 @@ inline void draw_tile(const float* m, const float* b, const float* noise, int64_
 // wrappers check the tensors' sizes; these checks guard the arithmetic on them).
 constexpr int64_t kBadArgument = -1;
 
+constexpr int64_t kFloatWordBits = 52;  // a float64 holds every integer below 2**52 + 1 exactly
+
 inline bool lanes_fit(int64_t lanes, int64_t width) { return lanes >= 1 && width >= 1 && width <= 63 && lanes * width <= 64; }
 
 inline bool whole_blocks(int64_t first, int64_t last, int64_t lanes) {
@@ -394,11 +413,13 @@ int64_t hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, f
 // value i's lane holds sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse, f_i its group's coarse / M and
 // U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager). With stats (not null,
 // groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite |x_i| of group g among those values),
-// and stats[groups] <- 1 where one of them is NaN or infinite (quantize.local_stats).
+// and stats[groups] <- 1 where one of them is NaN or infinite (quantize.local_stats). With float_words (nonzero; words
+// of at most 52 bits) each word is written as the float64 of its value, for a float carrier (hvdcomp/codec/carrier.py).
 int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
                     int64_t coarse, int64_t lanes, int64_t width, const int64_t* stream_words, int64_t first,
-                    int64_t last, int64_t* out, float* stats) {
-  if (numel < 0 || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
+                    int64_t last, int64_t* out, float* stats, int64_t float_words) {
+  if (numel < 0 || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes) ||
+      (float_words && lanes * width > kFloatWordBits)) return kBadArgument;
   const int64_t chunk = chunk_values(lanes);
   const float limit = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
@@ -418,8 +439,10 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
     if (g >= 0) {
       int64_t* words = out + start / lanes;
       const bool bad = stats == nullptr
-          ? encode_one_group_avx2<false>(xs, noise, n, group_factors[g], coarse, lanes, width, words, nullptr)
-          : encode_one_group_avx2<true>(xs, noise, n, group_factors[g], coarse, lanes, width, words, stats + g);
+          ? encode_one_group_avx2<false>(xs, noise, n, group_factors[g], coarse, lanes, width, float_words, words,
+                                         nullptr)
+          : encode_one_group_avx2<true>(xs, noise, n, group_factors[g], coarse, lanes, width, float_words, words,
+                                        stats + g);
       if (bad) stats[groups] = 1.0f;
       continue;
     }
@@ -432,7 +455,7 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
       values[i] = static_cast<int32_t>(std::copysign(level, xs[i])) + offset;
     }
     std::fill(values + valid, values + n, 0);
-    pack_lane_blocks(values, n, lanes, width, out + start / lanes);
+    pack_lane_blocks(values, n, lanes, width, out + start / lanes, float_words);
   }
   return 0;
 }
@@ -1068,6 +1091,47 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
     bad |= !(std::fabs(out[i]) <= FLT_MAX);
   }
   if (bad && nonfinite != nullptr) *nonfinite = 1;
+  return 0;
+}
+
+// The exact sums of a reduced float carrier's words (hvdcomp/codec/carrier.py), in place: values[i] (float64, i in
+// [first, last) of [0, n)) <- the int64 nearest to values[i] * multiplier, rounding half to even (torch.round): adding
+// 2**52 rounds to an integer, whose bits less those of 2**52 are that integer. A result outside [0, 2**51) (no sum
+// of carrier words; NaN and infinities land there too) is written as 0 and sets *out_of_range to 1.
+int64_t hvdcomp_carrier_sums(double* values, int64_t n, double multiplier, int64_t first, int64_t last,
+                             uint8_t* out_of_range) {
+  if (!(multiplier >= 1.0 && multiplier <= 4294967296.0) || first < 0 || first > last || last > n)
+    return kBadArgument;
+  constexpr double kTwo52 = 4503599627370496.0;
+  constexpr int64_t kTwo52Bits = 0x4330000000000000, kLimit = int64_t{1} << 51;
+  int64_t i = first;
+  bool bad = false;
+#if defined(__AVX2__)
+  const __m256d multipliers = _mm256_set1_pd(multiplier), two52 = _mm256_set1_pd(kTwo52);
+  const __m256i bias = _mm256_set1_epi64x(kTwo52Bits), minus_one = _mm256_set1_epi64x(-1),
+                limit = _mm256_set1_epi64x(kLimit);
+  __m256i inside_all = minus_one;
+  for (; i + 4 <= last; i += 4) {
+    const __m256d scaled = _mm256_mul_pd(_mm256_loadu_pd(values + i), multipliers);
+    const __m256i sums = _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(scaled, two52)), bias);  // wraps
+    const __m256i inside = _mm256_and_si256(_mm256_cmpgt_epi64(sums, minus_one), _mm256_cmpgt_epi64(limit, sums));
+    inside_all = _mm256_and_si256(inside_all, inside);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + i), _mm256_and_si256(inside, sums));
+  }
+  bad = _mm256_movemask_pd(_mm256_castsi256_pd(inside_all)) != 0xF;
+#endif
+  for (; i < last; ++i) {
+    const double shifted = values[i] * multiplier + kTwo52;
+    uint64_t bits;
+    std::memcpy(&bits, &shifted, sizeof(bits));
+    int64_t sum = static_cast<int64_t>(bits - static_cast<uint64_t>(kTwo52Bits));  // wraps, as the vector loop
+    if (!(sum >= 0 && sum < kLimit)) {
+      bad = true;
+      sum = 0;
+    }
+    std::memcpy(values + i, &sum, sizeof(sum));
+  }
+  if (bad && out_of_range != nullptr) *out_of_range = 1;
   return 0;
 }
 

@@ -131,7 +131,7 @@ class MaxNormQuantizer:
         scale_stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
         if _few_long_groups(groups, flat.numel()):
             for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
-                torch.maximum(-low, high, out=scale_stats[group])
+                torch.maximum(-low, high, out=scale_stats[group]).abs_()  # -0.0 for zeros: 0.0, as the kernels
             if bool(torch.isfinite(scale_stats[:-1]).all()):  # else a group holds NaN/Inf: redo it exactly below
                 if finite is not None:
                     scale_stats[-1] = (~finite).float()
@@ -275,8 +275,8 @@ class MaxNormQuantizer:
         in ``payload_layout``'s lanes, in the blocked order (``packing.pack_lane_blocks``). Reduce with SUM.
 
         ``rng``: the int64 ``[4]`` stream words of ``hvdcomp.codec.random.stream_words`` (required);
-        element ``i`` rounds with the stream's uniform ``i``. With ``out`` (contiguous int64 of that size) the words
-        are written there and it is returned (the native kernels write it directly, the others copy). ``local_out``
+        element ``i`` rounds with the stream's uniform ``i``. With ``out`` (contiguous, that size: int64, or float64
+        for a float carrier) the words go there and it is returned (native kernels write it, others copy). ``local_out``
         (float32 ``[len(groups) + 1]``) receives ``local_stats(x, groups)``: natively in the encode's pass."""
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")

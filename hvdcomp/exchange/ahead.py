@@ -15,7 +15,9 @@ buckets. Requests:
   per bucket instead of two, whose small MAX waited its turn behind the payloads in Horovod's queue and took 2
   to 10 ms each on the emulated cluster. The rows are used while they are at most 1/64 of the payload's words
   (``scale_share``; many small scale groups and many workers take the MAX). In a float carrier
-  (``carrier_bits``: Horovod's stock optimizer reduces nothing else) the rows always ride in the payload;
+  (``carrier_bits``: Horovod's stock optimizer reduces nothing else) the rows always ride in the payload, and
+  the payload is the carrier itself: words and rows written as float64 after room for its header
+  (``hvdcomp.codec.carrier``);
 - without one (a bucket's first exchange, a new size or world size, a resumed state without one, the
   step after a NaN/Inf): the exact exchange of ``MaxNormCodec`` (``Op.MAX`` then ``Op.PAYLOAD``), whose
   MAX seeds the agreed scale.
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..codec import carrier
 from ..codec.agreed import AgreedScales
 from ..codec.packing import INT64_WORD_BITS, lane_block_words
 from .bucket import ElementwiseCodec, Segments
@@ -94,9 +97,11 @@ class AheadMaxNorm(ElementwiseCodec):
                  out: torch.Tensor | None = None) -> Exchange:
         """See ``ElementwiseCodec.exchange`` (``out``: where the mean goes, ``takes_out``); ``key`` keys the agreed
         scale and the excess memory. ``word_bits``: the usable bits of the exact exchange's payload words.
-        ``carrier_bits``: with an agreed scale, the payload is words of that many bits for a float carrier
-        (``hvdcomp.codec.carrier``) with the statistics rows always in it, and no request follows it; default: int64
-        words, the rows as ``scale_rows`` says."""
+        ``carrier_bits``: with an agreed scale, the payload request is a float carrier without its header
+        (``hvdcomp.codec.carrier``): float64 ``[carrier.HEADER + words + rows]``, words of that many bits and the
+        statistics rows as float64 integers after ``carrier.HEADER`` elements left to ``carrier.seal``; the reply is
+        their exact int64 sums (``carrier.unwrap``: ``[words + rows]``), and no request follows it. Default: int64
+        words, the rows as ``scale_rows`` says, the reply the same shape."""
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel() or (out is not None and out.shape != flat.shape):
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat (and "
@@ -129,7 +134,10 @@ class AheadMaxNorm(ElementwiseCodec):
         words = lane_block_words(numel, quantizer.payload_layout(world_size, word_bits).lanes_per_word)
         local = torch.empty(groups.numel() + 1, dtype=torch.float32, device=flat.device)
         rows = self.scale_rows(world_size, local.numel(), words, carried)
-        payload = self.inner.buffers.take((key, "payload"), words + rows, torch.int64, flat.device)
+        room = carrier.HEADER if carried else 0  # the carrier's header goes first (carrier.seal)
+        message = self.inner.buffers.take((key, "payload"), room + words + rows,
+                                          torch.float64 if carried else torch.int64, flat.device)
+        payload = message[room:]
         # the statistics in the encode's pass (docs/benchmarks.md#the-codec-in-situ)
         quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words], local)
         finite = not quantizer.saw_nonfinite(local)
@@ -142,7 +150,7 @@ class AheadMaxNorm(ElementwiseCodec):
             excess = torch.arange(numel, device=flat.device), rotation.inverse_(unrotated, groups, key, step)
         if rows:  # this worker's row: the bits of its float32 statistics (non-negative, below 2**31)
             payload[words:].zero_().view(world_size, -1)[self.inner.rank] = local.view(torch.int32)
-        sums = yield last(Op.PAYLOAD, payload) if rows else (Op.PAYLOAD, payload)
+        sums = yield last(Op.PAYLOAD, message) if rows else (Op.PAYLOAD, message)
         mean = quantizer.decode(sums[:words], scale_stats, groups, None, numel, world_size, word_bits,
                                 self.inner.buffers, key, out)
         if rotation is not None:

@@ -7,7 +7,7 @@ request:
 
 - an ``Op.PAYLOAD`` (``scale="ahead"`` with a scale agreed at the gradient's previous exchange): the exchange
   quantized at once (``hvdcomp.exchange.ahead``, words of ``carrier.word_bits(W)`` bits, each worker's
-  statistics row in the payload), and ``compress`` returns the whole payload in a float64 carrier
+  statistics row in the payload), and ``compress`` returns the payload, encoded straight into a float64 carrier
   (``hvdcomp.codec.carrier``: canary, world size, a tag of the configuration, gradient and step, then the words)
   that Horovod all-reduces during backward, with the optimizer's op (Sum or Average, predivide factor allowed).
   ``decompress`` recovers the exact word sums through the canary and sends them into the exchange, whose result
@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 from ..codec import carrier
-from ..codec.recycle import ResultBuffers
 from ..codec.seeding import stable_seed
 from ..exchange.ahead import AheadMaxNorm
 from ..exchange.protocol import Exchange, Op, Request, advance, drive_together, relay
@@ -112,8 +111,6 @@ class StockAdapter:
         self._step_open = False  # False until a step's first compress, and again after a decompress
         self._warmup_done, self._warming = 0, False  # warm-up steps begun; whether this step is one
         self._batch: _Batch | None = None  # the open step's exact exchanges
-        self._carriers = ResultBuffers()  # per gradient, its carrier, reused once Horovod has let go of it
-        self._word_sums = ResultBuffers()  # per gradient, the exact sums read back from its reduced carrier
 
     def state_dict(self) -> dict[str, Any]:
         """The step counters (the codec's own state is ``codec.inner``'s)."""
@@ -184,20 +181,19 @@ class StockAdapter:
         exact_tag = functools.cache(lambda: tag(False))  # a payload agreed ahead sends no MAX: no tag to hash
         exchange = self._exchange_of(flat, key, step, world_size, exact_tag)
         request = advance(exchange, None)
-        traffic.compress_s += time.perf_counter() - start
         if isinstance(request, StopIteration):
             raise RuntimeError("a max-norm exchange finished without requesting a collective")
-        op, words = request
-        if op is Op.PAYLOAD:  # the scale agreed ahead: the whole payload rides in the carrier
+        op, message = request
+        if op is Op.PAYLOAD:  # the scale agreed ahead: the payload is the carrier, but for its header
             ctx = _Context(exchange, key, tag(True), tensor.shape, tensor.dtype, world_size, traffic, None)
-            buffer = self._carriers.take(key, carrier.HEADER + words.numel(), torch.float64, words.device)
-            sent = carrier.wrap(words, world_size, ctx.tag, out=buffer)
+            sent = carrier.seal(message, world_size, ctx.tag)
         else:
             order = (0 if name is not None else 1, key, step)
             ctx = _Context(_replayed(request, exchange), key, exact_tag(), tensor.shape, tensor.dtype, world_size,
                            traffic, self._batch, order)
             self._batch.contexts.append(ctx)
             sent = carrier.wrap(torch.zeros(0, dtype=torch.int64, device=tensor.device), world_size, ctx.tag)
+        traffic.compress_s += time.perf_counter() - start
         traffic.count(Op.SUM, sent, self.transport)
         return sent, ctx
 
@@ -220,29 +216,28 @@ class StockAdapter:
     def decompress(self, tensor: torch.Tensor, ctx: _Context | UncompressedContext | None) -> torch.Tensor:
         """The mean of the workers' dequantized gradients if Horovod averaged ``ctx``'s carrier, their sum if it
         summed; a step's first call runs the step's exact exchanges. ``tensor`` (the reduced carrier) is spent: its
-        words are rescaled in place. With ``ctx=None`` (what Horovod passes after reducing a sparse gradient itself)
-        ``tensor`` as it is."""
+        words are replaced by their sums in place. With ``ctx=None`` (what Horovod passes after reducing a sparse
+        gradient itself) ``tensor`` as it is."""
         if ctx is None:
             return tensor
         self._step_open = False
         if isinstance(ctx, UncompressedContext):
             return ctx.decompress(tensor)
-        if ctx.batch is None:
-            sums = self._word_sums.take(ctx.key, max(tensor.numel() - carrier.HEADER, 0), torch.int64, tensor.device)
-            word_sums, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag, out=sums)
+        if ctx.batch is not None and not ctx.batch.exchanged:
+            self._exchange(ctx.batch)
+        start = time.perf_counter()
+        if ctx.batch is None:  # the sums of the words that rode in the carrier, written over them
+            word_sums, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag)
         else:
-            if not ctx.batch.exchanged:
-                self._exchange(ctx.batch)
             word_sums, ctx.word_sums = ctx.word_sums, None
             if word_sums is None:
                 raise RuntimeError(f"hvdcomp: gradient {ctx.key!r} was decompressed twice, or its step's exchange "
                                    "failed")
             _, averaged = carrier.unwrap(tensor, ctx.world_size, ctx.tag)
-        start = time.perf_counter()
         done = advance(ctx.exchange, word_sums)
         if not isinstance(done, StopIteration):
             raise RuntimeError("the exchange protocol did not finish after its payload")
-        mean = done.value if averaged else done.value.mul_(ctx.world_size)
+        mean = done.value if averaged or ctx.world_size == 1 else done.value.mul_(ctx.world_size)  # the sum
         ctx.traffic.decompress_s += time.perf_counter() - start
         self.codec.stats.last_step.add(ctx.traffic)
         self.codec.stats.total.add(ctx.traffic)
