@@ -245,8 +245,8 @@ inline void store_4_words(__m256i sums, bool float_words, int64_t* dst) {
 
 // The words of n values at x (whole lane blocks, all of one scale group, whose factor is `factor`) into words[0 ..
 // n / L): hvdcomp_encode's levels with uniforms noise[0 .. n), packed as pack_lane_blocks packs them (float_words: as
-// float64), 8 values at a time, the same float32 operations. kStats: also *high <- max(*high, their finite |x|), and whether one of them is
-// NaN or infinite (returned; else false).
+// float64), 8 values at a time, the same float32 operations. kStats: also *high <- max(*high, their finite |x|), and
+// whether one of them is NaN or infinite (returned; else false).
 template <bool kStats>
 inline bool encode_one_group_avx2(const float* x, const float* noise, int64_t n, float factor, int64_t coarse,
                                   int64_t lanes, int64_t width, bool float_words, int64_t* words, float* high) {
@@ -387,7 +387,7 @@ inline void draw_tile(const float* m, const float* b, const float* noise, int64_
 // wrappers check the tensors' sizes; these checks guard the arithmetic on them).
 constexpr int64_t kBadArgument = -1;
 
-constexpr int64_t kFloatWordBits = 52;  // a float64 holds every integer below 2**52 + 1 exactly
+constexpr int64_t kFloatWordBits = 52;  // float words: store_4_words's conversion is exact below 2**52
 
 inline bool lanes_fit(int64_t lanes, int64_t width) { return lanes >= 1 && width >= 1 && width <= 63 && lanes * width <= 64; }
 
