@@ -53,23 +53,38 @@ def _native_on(monkeypatch):
     assert native.library() is not None, fused._Mode.failed
 
 
+def _cpu_has_avx512() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx512f" in cpuinfo.read_text()
+
+
+# The builds every kernel test runs with: this CPU's ("native"); on x86-64 one without AVX2 ("portable": the loops
+# of other CPUs); on a CPU with AVX-512 one without it ("avx2": the loops of AVX2 CPUs, which -march=native skips).
+OTHER_BUILDS = {"portable": ("-march=x86-64",), "avx2": ("-march=x86-64-v3",)}
+BUILDS = ["native", "portable"] + (["avx2"] if _cpu_has_avx512() else [])
+
+
 @pytest.fixture(scope="module")
-def portable_build(tmp_path_factory):
-    """The kernels built for x86-64 without AVX2 (their portable loops, as on other CPUs), or None elsewhere."""
+def other_builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    """The kernels of ``BUILDS`` other than this CPU's, built once per module (none off x86-64)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    path = tmp_path_factory.mktemp("portable") / "native_kernels.so"
-    native.build(native.compiler(), path, tuple(f for f in native.FLAGS if f != "-march=native") + ("-march=x86-64",))
-    return native.declare(ctypes.CDLL(str(path)))
+        return {}
+    libraries = {}
+    for name in BUILDS[1:]:
+        path = tmp_path_factory.mktemp(name) / "native_kernels.so"
+        native.build(native.compiler(), path,
+                     tuple(f for f in native.FLAGS if f != "-march=native") + OTHER_BUILDS[name])
+        libraries[name] = native.declare(ctypes.CDLL(str(path)))
+    return libraries
 
 
-@pytest.fixture(params=["native", "portable"])
-def build(request, monkeypatch, portable_build):
-    """Each test runs with this CPU's build, then (on x86-64) with the portable one."""
-    if request.param == "portable":
-        assert portable_build is not None or platform.machine() not in ("x86_64", "AMD64")
-        if portable_build is not None:
-            monkeypatch.setattr(native._Library, "handle", portable_build)
+@pytest.fixture(params=BUILDS)
+def build(request, monkeypatch, other_builds):
+    """Each test runs with this CPU's build, then (on x86-64) with the others of ``BUILDS``."""
+    if request.param != "native":
+        assert request.param in other_builds or platform.machine() not in ("x86_64", "AMD64")
+        if request.param in other_builds:
+            monkeypatch.setattr(native._Library, "handle", other_builds[request.param])
     return request.param
 
 

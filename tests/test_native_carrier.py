@@ -1,11 +1,12 @@
 """The float carrier in place: the encode writes its words as float64 exactly (``native.encode`` with a float64
 ``out``), and ``native_carrier.carrier_sums`` turns reduced float64 words into their int64 sums in the same memory,
-equal to torch's rounding bit for bit, on one thread or several, with this CPU's build and the portable one;
-``carrier.unwrap`` gives the same sums with the kernel or without it, and refuses sums no carriers make."""
+equal to torch's rounding bit for bit, on one thread or several, with this CPU's build and the others of
+``test_native.BUILDS``; ``carrier.unwrap`` gives the same sums with the kernel or without it, and refuses sums no
+carriers make."""
 
 import pytest
 import torch
-from test_native import SIZES, _gradient, _groups, _native_on, build, portable_build, threads  # noqa: F401 (fixtures)
+from test_native import SIZES, _gradient, _groups, _native_on, build, other_builds, threads  # noqa: F401 (fixtures)
 
 from hvdcomp.codec import carrier, fused, native, native_carrier
 from hvdcomp.codec.quantize import MaxNormQuantizer
@@ -17,8 +18,9 @@ FLOAT_LAYOUTS = [((4,), 2, carrier.word_bits(2)), ((2,), 7, carrier.word_bits(7)
 
 
 @pytest.mark.parametrize("bits,world_size,word_bits", FLOAT_LAYOUTS)
-def test_float_words_are_the_int64_words_exactly(bits, world_size, word_bits, threads, build):  # noqa: F811
-    quantizer = MaxNormQuantizer(bits, chunk_size=1000)  # chunked: chunks of one group and chunks across groups
+@pytest.mark.parametrize("chunk_size", [1000, None])  # kernel chunks across groups; of one ragged tensor (vector loops)
+def test_float_words_are_the_int64_words_exactly(bits, world_size, word_bits, chunk_size, threads, build):  # noqa: F811
+    quantizer = MaxNormQuantizer(bits, chunk_size=chunk_size)
     for numel in SIZES:
         x = _gradient(numel, numel + 2)
         groups = _groups(quantizer, numel)

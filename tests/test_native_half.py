@@ -1,10 +1,11 @@
 """The native 16-bit mean (``hvdcomp.codec.native_half``) equals the eager reference bit for bit for every float16 and
-bfloat16 value, on one thread or several, with this CPU's build and the portable one; ``mean_from_half_sums`` takes it
-where the kernels are usable; the kernel and its wrapper refuse arguments that do not fit."""
+bfloat16 value, on one thread or several, with this CPU's build and the others of ``test_native.BUILDS``;
+``mean_from_half_sums`` takes it where the kernels are usable; the kernel and its wrapper refuse arguments that do not
+fit."""
 
 import pytest
 import torch
-from test_native import _native_on, build, portable_build, threads  # noqa: F401 (fixtures)
+from test_native import _native_on, build, other_builds, threads  # noqa: F401 (fixtures)
 
 from hvdcomp.codec import fused, half, native, native_half
 

@@ -2,12 +2,11 @@
 transform against an explicit Hadamard matrix, the native kernel against the torch path bit for bit (and its size
 checks), the rotated codec's unbiasedness and its variance bound, and the workers' agreement on ``rotate``."""
 
-import ctypes
 import math
-import platform
 
 import pytest
 import torch
+from test_native import BUILDS, other_builds  # noqa: F401 (the fixture)
 
 from hvdcomp import QSGDMaxNorm, QSGDMaxNormMultiScale
 from hvdcomp.codec import fused, native
@@ -106,16 +105,14 @@ def test_the_signs_are_shared_by_key_and_step_not_by_rank_and_change_with_the_st
     assert not torch.equal(one.forward(x, groups, "k", 1).clone(), two.forward(x, groups, "j", 1))
 
 
-@pytest.fixture(params=["native", "portable"])
-def rotation_build(request, monkeypatch, native_on, tmp_path_factory):
-    """This CPU's build of the kernels, then (on x86-64) one without AVX2 (their portable loops)."""
-    if request.param == "portable":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("the portable build is checked on x86-64")
-        path = tmp_path_factory.mktemp("portable") / "native_kernels.so"
-        flags = tuple(f for f in native.FLAGS if f != "-march=native") + ("-march=x86-64",)
-        native.build(native.compiler(), path, flags)
-        monkeypatch.setattr(native._Library, "handle", native.declare(ctypes.CDLL(str(path))))
+@pytest.fixture(params=BUILDS)
+def rotation_build(request, monkeypatch, native_on, other_builds):  # noqa: F811 (the fixture)
+    """This CPU's build of the kernels, then ``test_native``'s others (on x86-64: without AVX2, the portable loops;
+    on a CPU with AVX-512, without it)."""
+    if request.param != "native":
+        if request.param not in other_builds:
+            pytest.skip("the other builds are checked on x86-64")
+        monkeypatch.setattr(native._Library, "handle", other_builds[request.param])
     return request.param
 
 

@@ -109,15 +109,10 @@ inline __m256 uniforms8(__m256i bits16) {
                        _mm256_set1_ps(kUniformUnit));
 }
 
-// The 64 uniforms of 8 Philox outputs (c0..c3: word r of blocks j .. j + 7, one block per lane) into u[0..64) in
-// element order.
-inline void store_uniforms(__m256i c0, __m256i c1, __m256i c2, __m256i c3, float* u) {
-  const __m256i low_half = _mm256_set1_epi32(0xFFFF);
-  // row r: draw r of each of the 8 blocks; transposed, row i: the 8 draws of block j + i
-  __m256 r0 = uniforms8(_mm256_srli_epi32(c0, 16)), r1 = uniforms8(_mm256_srli_epi32(c1, 16));
-  __m256 r2 = uniforms8(_mm256_srli_epi32(c2, 16)), r3 = uniforms8(_mm256_srli_epi32(c3, 16));
-  __m256 r4 = uniforms8(_mm256_and_si256(c0, low_half)), r5 = uniforms8(_mm256_and_si256(c1, low_half));
-  __m256 r6 = uniforms8(_mm256_and_si256(c2, low_half)), r7 = uniforms8(_mm256_and_si256(c3, low_half));
+// Rows r0..r7 (row r: draw r of each of 8 blocks, one block per lane) transposed into u[0..64): row i of the
+// transpose, the 8 draws of block i, at u + 8 i (element order).
+inline void store_transposed(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6, __m256 r7,
+                             float* u) {
   const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -134,6 +129,16 @@ inline void store_uniforms(__m256i c0, __m256i c1, __m256i c2, __m256i c3, float
   _mm256_storeu_ps(u + 40, _mm256_permute2f128_ps(q1, q5, 0x31));
   _mm256_storeu_ps(u + 48, _mm256_permute2f128_ps(q2, q6, 0x31));
   _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(q3, q7, 0x31));
+}
+
+// The 64 uniforms of 8 Philox outputs (c0..c3: word r of blocks j .. j + 7, one block per lane) into u[0..64) in
+// element order: draw r of a block is the high half of its word r, draw r + 4 the low half.
+inline void store_uniforms(__m256i c0, __m256i c1, __m256i c2, __m256i c3, float* u) {
+  const __m256i low_half = _mm256_set1_epi32(0xFFFF);
+  store_transposed(uniforms8(_mm256_srli_epi32(c0, 16)), uniforms8(_mm256_srli_epi32(c1, 16)),
+                   uniforms8(_mm256_srli_epi32(c2, 16)), uniforms8(_mm256_srli_epi32(c3, 16)),
+                   uniforms8(_mm256_and_si256(c0, low_half)), uniforms8(_mm256_and_si256(c1, low_half)),
+                   uniforms8(_mm256_and_si256(c2, low_half)), uniforms8(_mm256_and_si256(c3, low_half)), u);
 }
 
 // Blocks j .. j + 8 kSets - 1 (sets of 8, one block per lane) into u[0 .. 64 kSets) in element order. The sets' rounds
@@ -176,11 +181,86 @@ inline void draw_blocks(uint64_t j, const Stream& s, float* u) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// High and low words of a * m in each of 16 lanes (m: the multiplier in every lane).
+inline void mulhilo16(__m512i a, __m512i m, __m512i* hi, __m512i* lo) {
+  const __m512i even = _mm512_mul_epu32(a, m);                       // 64-bit products of the even lanes
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);  // of the odd lanes
+  *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+inline __m512 uniforms16(__m512i bits16) {
+  return _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits16), _mm512_set1_ps(0.5f)),
+                       _mm512_set1_ps(kUniformUnit));
+}
+
+inline __m256 low_half_of(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 high_half_of(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+// Blocks j .. j + 16 kSets - 1 (sets of 16, one block per lane) into u[0 .. 128 kSets) in element order: the rounds
+// of draw_blocks at twice the width, the same transpose per 8 blocks
+// (docs/benchmarks.md#the-draw-at-avx-512-width).
+template <int kSets>
+inline void draw_blocks16(uint64_t j, const Stream& s, float* u) {
+  __m512i c0[kSets], c1[kSets], c2[kSets], c3[kSets];
+  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int set = 0; set < kSets; ++set) {  // 64-bit block numbers of lanes 0..7 and 8..15, split into two halves
+    const __m512i first = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(j + 16 * set)), lane);
+    const __m512i second = _mm512_add_epi64(first, _mm512_set1_epi64(8));
+    const __m512i gather_low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i gather_high = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    c0[set] = _mm512_permutex2var_epi32(first, gather_low, second);
+    c1[set] = _mm512_permutex2var_epi32(first, gather_high, second);
+    c2[set] = _mm512_set1_epi32(static_cast<int>(s.step0));
+    c3[set] = _mm512_set1_epi32(static_cast<int>(s.step1));
+  }
+  uint32_t k0 = s.key0, k1 = s.key1;
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(kMultiplier0));
+  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(kMultiplier1));
+  for (int round = 0; round < kRounds; ++round) {
+    if (round) {
+      k0 += kKeyStep0;
+      k1 += kKeyStep1;
+    }
+    const __m512i key0 = _mm512_set1_epi32(static_cast<int>(k0)), key1 = _mm512_set1_epi32(static_cast<int>(k1));
+    for (int set = 0; set < kSets; ++set) {
+      __m512i hi0, lo0, hi1, lo1;
+      mulhilo16(c0[set], m0, &hi0, &lo0);
+      mulhilo16(c2[set], m1, &hi1, &lo1);
+      c0[set] = _mm512_ternarylogic_epi32(hi1, c1[set], key0, 0x96);  // three-way XOR
+      c1[set] = lo1;
+      c2[set] = _mm512_ternarylogic_epi32(hi0, c3[set], key1, 0x96);
+      c3[set] = lo0;
+    }
+  }
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+  for (int set = 0; set < kSets; ++set) {
+    const __m512 r0 = uniforms16(_mm512_srli_epi32(c0[set], 16)), r1 = uniforms16(_mm512_srli_epi32(c1[set], 16));
+    const __m512 r2 = uniforms16(_mm512_srli_epi32(c2[set], 16)), r3 = uniforms16(_mm512_srli_epi32(c3[set], 16));
+    const __m512 r4 = uniforms16(_mm512_and_si512(c0[set], low_half));
+    const __m512 r5 = uniforms16(_mm512_and_si512(c1[set], low_half));
+    const __m512 r6 = uniforms16(_mm512_and_si512(c2[set], low_half));
+    const __m512 r7 = uniforms16(_mm512_and_si512(c3[set], low_half));
+    float* out = u + 128 * set;
+    store_transposed(low_half_of(r0), low_half_of(r1), low_half_of(r2), low_half_of(r3), low_half_of(r4),
+                     low_half_of(r5), low_half_of(r6), low_half_of(r7), out);
+    store_transposed(high_half_of(r0), high_half_of(r1), high_half_of(r2), high_half_of(r3), high_half_of(r4),
+                     high_half_of(r5), high_half_of(r6), high_half_of(r7), out + 64);
+  }
+}
+#endif
+
 // The uniforms of elements first .. first + n - 1 (first and n multiples of 8) into u[0..n).
 void draw(int64_t first, int64_t n, const Stream& s, float* u) {
   const uint64_t j0 = static_cast<uint64_t>(first / 8);
   const int64_t blocks = n / 8;
   int64_t b = 0;
+#if defined(__AVX512F__)
+  for (; b + 32 <= blocks; b += 32) draw_blocks16<2>(j0 + b, s, u + 8 * b);
+#endif
 #if defined(__AVX2__)
   for (; b + 16 <= blocks; b += 16) draw_blocks<2>(j0 + b, s, u + 8 * b);
   for (; b + 8 <= blocks; b += 8) draw_blocks<1>(j0 + b, s, u + 8 * b);
@@ -288,6 +368,71 @@ inline bool encode_one_group_avx2(const float* x, const float* noise, int64_t n,
     for (float lane : lanes_high) *high = std::max(*high, lane);
   }
   return bad != 0;
+}
+
+#if defined(__AVX512F__)
+// Words 0 .. 7 of `sums` at dst, as store_4_words stores 4.
+inline void store_8_words(__m512i sums, bool float_words, int64_t* dst) {
+  if (!float_words) {
+    _mm512_storeu_si512(dst, sums);
+    return;
+  }
+  const __m512d two52 = _mm512_set1_pd(4503599627370496.0);
+  _mm512_storeu_pd(reinterpret_cast<double*>(dst),
+                   _mm512_sub_pd(_mm512_castsi512_pd(_mm512_or_si512(sums, _mm512_castpd_si512(two52))), two52));
+}
+
+// encode_one_group_avx2 at twice the width: the 16 values of one lane of a block at a time, the same float32
+// operations (docs/benchmarks.md#the-draw-at-avx-512-width).
+template <bool kStats>
+inline bool encode_one_group_avx512(const float* x, const float* noise, int64_t n, float factor, int64_t coarse,
+                                    int64_t lanes, int64_t width, bool float_words, int64_t* words, float* high) {
+  const __m512 largest = _mm512_set1_ps(FLT_MAX), factors = _mm512_set1_ps(factor);
+  const __m512 limit = _mm512_set1_ps(static_cast<float>(coarse));
+  const __m512i offset = _mm512_set1_epi32(static_cast<int>(coarse)), sign = _mm512_set1_epi32(INT32_MIN);
+  __m512 highs = _mm512_setzero_ps();
+  __mmask16 all_finite = 0xFFFF;
+  const int64_t per_block = kBlockWords * lanes;
+  for (int64_t k = 0; k < n / per_block; ++k) {
+    __m512i lower_sums = _mm512_setzero_si512(), upper_sums = _mm512_setzero_si512();
+    for (int64_t l = 0; l < lanes; ++l) {
+      const __m128i shift = _mm_cvtsi64_si128(l * width);
+      const int64_t i = k * per_block + l * kBlockWords;
+      const __m512 v = _mm512_loadu_ps(x + i), a = _mm512_abs_ps(v);
+      if (kStats) {
+        const __mmask16 finite = _mm512_cmp_ps_mask(a, largest, _CMP_LE_OQ);  // false for NaN and infinity
+        all_finite &= finite;
+        highs = _mm512_mask_max_ps(highs, finite, highs, a);
+      }
+      const __m512 level = _mm512_min_ps(  // as _mm256_min_ps: a NaN level becomes the limit
+          _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(a, factors), _mm512_loadu_ps(noise + i)),
+                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+          limit);
+      const __m512i signed_level =
+          _mm512_or_si512(_mm512_castps_si512(level), _mm512_and_si512(_mm512_castps_si512(v), sign));
+      const __m512i lane = _mm512_add_epi32(_mm512_cvttps_epi32(_mm512_castsi512_ps(signed_level)), offset);
+      const __m512i lower = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(lane));       // values i .. i + 7
+      const __m512i upper = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(lane, 1));  // i + 8 .. i + 15
+      lower_sums = _mm512_add_epi64(lower_sums, _mm512_sll_epi64(lower, shift));
+      upper_sums = _mm512_add_epi64(upper_sums, _mm512_sll_epi64(upper, shift));
+    }
+    store_8_words(lower_sums, float_words, words + k * kBlockWords);
+    store_8_words(upper_sums, float_words, words + k * kBlockWords + 8);
+  }
+  if (kStats) *high = std::max(*high, _mm512_reduce_max_ps(highs));
+  return all_finite != 0xFFFF;
+}
+#endif
+
+// The encode of one group's whole lane blocks (encode_one_group_avx2's contract) at this CPU's widest vectors.
+template <bool kStats>
+inline bool encode_one_group(const float* x, const float* noise, int64_t n, float factor, int64_t coarse,
+                             int64_t lanes, int64_t width, bool float_words, int64_t* words, float* high) {
+#if defined(__AVX512F__)
+  return encode_one_group_avx512<kStats>(x, noise, n, factor, coarse, lanes, width, float_words, words, high);
+#else
+  return encode_one_group_avx2<kStats>(x, noise, n, factor, coarse, lanes, width, float_words, words, high);
+#endif
 }
 
 // The 16 means of one lane of a block of 16 words of +1 counts over `group` workers: (2 count - group) / group.
@@ -439,10 +584,9 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
     if (g >= 0) {
       int64_t* words = out + start / lanes;
       const bool bad = stats == nullptr
-          ? encode_one_group_avx2<false>(xs, noise, n, group_factors[g], coarse, lanes, width, float_words, words,
-                                         nullptr)
-          : encode_one_group_avx2<true>(xs, noise, n, group_factors[g], coarse, lanes, width, float_words, words,
-                                        stats + g);
+          ? encode_one_group<false>(xs, noise, n, group_factors[g], coarse, lanes, width, float_words, words, nullptr)
+          : encode_one_group<true>(xs, noise, n, group_factors[g], coarse, lanes, width, float_words, words,
+                                   stats + g);
       if (bad) stats[groups] = 1.0f;
       continue;
     }
