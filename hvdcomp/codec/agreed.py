@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from . import native
+from .native_excess import clipped_excess
 from .quantize import MaxNormQuantizer
 
 
@@ -64,8 +66,11 @@ class AgreedScales:
         """(int64 indices, float32 excess beyond the agreed scale) of the elements of flat ``values`` above
         it; ``local`` is ``values``'s own ``local_stats``, ``scale_stats`` the agreed ones, over ``groups``."""
         scales = scale_stats[:-1]
-        if not bool((local[:-1] > scales).any()):
+        over = local[:-1] > scales
+        if not bool(over.any()):
             return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
+        if native.usable(values):  # one read of the groups that clipped (docs/benchmarks.md#the-clipped-excess)
+            return clipped_excess(values, groups, scales, over)
         limit = scales if groups.numel() <= 1 else scales.repeat_interleave(groups.to(values.device))
         indices = (values.abs() > limit.expand_as(values)).nonzero().squeeze(1)
         picked = values[indices]

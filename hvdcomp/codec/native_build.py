@@ -154,6 +154,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_birder_update": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
     "hvdcomp_half_mean": [_POINTER, _INT, _INT, _FLOAT, _INT, _INT, _POINTER, _POINTER],
     "hvdcomp_carrier_sums": [_POINTER, _INT, _DOUBLE, _INT, _INT, _POINTER],
+    "hvdcomp_clip_excess": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER],
 }
 
 

@@ -1238,6 +1238,43 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
   return 0;
 }
 
+// The clipped excess (agreed.AgreedScales.clipped) in the groups g of x with check[g] nonzero (group g: values
+// [ends[g - 1], ends[g]), cumulative, within numel): each value above its group's limit in magnitude, in ascending
+// order, as its index in indices[k] and x_i - clamp(x_i, -limit, limit) in excess[k] for k < capacity; *found <- how
+// many there are, written or not. A block of 16 values none of which is above the limit is read once, no branch each.
+int64_t hvdcomp_clip_excess(const float* x, int64_t numel, const int64_t* ends, const float* limits,
+                            const uint8_t* check, int64_t groups, int64_t capacity, int64_t* indices, float* excess,
+                            int64_t* found) {
+  if (numel < 0 || groups < 0 || capacity < 0) return kBadArgument;
+  for (int64_t g = 0, begin = 0; g < groups; begin = ends[g++])
+    if (ends[g] < begin || ends[g] > numel) return kBadArgument;
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (!check[g]) continue;
+    const float limit = limits[g];
+    const int64_t end = ends[g];
+    for (int64_t start = g ? ends[g - 1] : 0; start < end; start += 16) {
+      const int64_t n = std::min<int64_t>(16, end - start);
+      if (n == 16) {
+        bool any = false;
+        for (int64_t j = 0; j < 16; ++j) any |= std::fabs(x[start + j]) > limit;
+        if (!any) continue;
+      }
+      for (int64_t i = start; i < start + n; ++i) {
+        const float v = x[i];
+        if (!(std::fabs(v) > limit)) continue;
+        if (count < capacity) {
+          indices[count] = i;
+          excess[count] = v - std::clamp(v, -limit, limit);
+        }
+        ++count;
+      }
+    }
+  }
+  *found = count;
+  return 0;
+}
+
 // The exact sums of a reduced float carrier's words (hvdcomp/codec/carrier.py), in place: values[i] (float64, i in
 // [first, last) of [0, n)) <- the int64 nearest to values[i] * multiplier, rounding half to even (torch.round): adding
 // 2**52 rounds to an integer, whose bits less those of 2**52 are that integer. A result outside [0, 2**51) (no sum
