@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_native import BUILDS, other_builds  # noqa: F401 (the fixture)
+from test_native import build, other_builds  # noqa: F401 (the fixtures)
 
 from hvdcomp import QSGDMaxNorm, QSGDMaxNormMultiScale
 from hvdcomp.codec import fused, native
@@ -105,18 +105,7 @@ def test_the_signs_are_shared_by_key_and_step_not_by_rank_and_change_with_the_st
     assert not torch.equal(one.forward(x, groups, "k", 1).clone(), two.forward(x, groups, "j", 1))
 
 
-@pytest.fixture(params=BUILDS)
-def rotation_build(request, monkeypatch, native_on, other_builds):  # noqa: F811 (the fixture)
-    """This CPU's build of the kernels, then ``test_native``'s others (on x86-64: without AVX2, the portable loops;
-    on a CPU with AVX-512, without it)."""
-    if request.param != "native":
-        if request.param not in other_builds:
-            pytest.skip("the other builds are checked on x86-64")
-        monkeypatch.setattr(native._Library, "handle", other_builds[request.param])
-    return request.param
-
-
-@pytest.mark.usefixtures("rotation_build")
+@pytest.mark.usefixtures("native_on", "build")  # this CPU's build, then test_native's others
 @pytest.mark.parametrize("lengths,max_block", [([1], MAX_BLOCK), ([100, 70000, 4096, 4096, 3], MAX_BLOCK),
                                                 ([300000], MAX_BLOCK), ([5000] * 40, 256), ([0, 9, 0], 4)])
 @pytest.mark.parametrize("inverse", [False, True])

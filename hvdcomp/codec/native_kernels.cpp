@@ -141,8 +141,47 @@ inline void store_uniforms(__m256i c0, __m256i c1, __m256i c2, __m256i c3, float
                    uniforms8(_mm256_and_si256(c2, low_half)), uniforms8(_mm256_and_si256(c3, low_half)), u);
 }
 
-// Blocks j .. j + 8 kSets - 1 (sets of 8, one block per lane) into u[0 .. 64 kSets) in element order. The sets' rounds
-// interleave, so one set's multiplies run while another's wait (docs/benchmarks.md#the-draw-and-the-lane-reads).
+// AVX2's operations for philox_sets: 8 blocks per vector.
+struct Avx2Ops {
+  using V = __m256i;
+  static V splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static void mulhilo(V a, V m, V* hi, V* lo) { mulhilo8(a, m, hi, lo); }
+  static V xor3(V a, V b, V c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
+};
+
+// Philox4x32-7 of kSets sets of blocks, one block per 32-bit lane: c0, c1 hold each block's counter words 0 and 1 (words
+// 2 and 3 are the stream's); c0..c3 <- output word r of each block. Ops: the vector type's operations (Avx2Ops,
+// Avx512Ops). The sets' rounds interleave, so one set's multiplies run while another's wait
+// (docs/benchmarks.md#the-draw-and-the-lane-reads).
+template <typename Ops, int kSets>
+inline void philox_sets(typename Ops::V* c0, typename Ops::V* c1, typename Ops::V* c2, typename Ops::V* c3,
+                        const Stream& s) {
+  using V = typename Ops::V;
+  for (int set = 0; set < kSets; ++set) {
+    c2[set] = Ops::splat(s.step0);
+    c3[set] = Ops::splat(s.step1);
+  }
+  uint32_t k0 = s.key0, k1 = s.key1;
+  const V m0 = Ops::splat(kMultiplier0), m1 = Ops::splat(kMultiplier1);
+  for (int round = 0; round < kRounds; ++round) {
+    if (round) {
+      k0 += kKeyStep0;
+      k1 += kKeyStep1;
+    }
+    const V key0 = Ops::splat(k0), key1 = Ops::splat(k1);
+    for (int set = 0; set < kSets; ++set) {
+      V hi0, lo0, hi1, lo1;
+      Ops::mulhilo(c0[set], m0, &hi0, &lo0);
+      Ops::mulhilo(c2[set], m1, &hi1, &lo1);
+      c0[set] = Ops::xor3(hi1, c1[set], key0);
+      c1[set] = lo1;
+      c2[set] = Ops::xor3(hi0, c3[set], key1);
+      c3[set] = lo0;
+    }
+  }
+}
+
+// Blocks j .. j + 8 kSets - 1 (sets of 8, one block per lane) into u[0 .. 64 kSets) in element order.
 template <int kSets>
 inline void draw_blocks(uint64_t j, const Stream& s, float* u) {
   __m256i c0[kSets], c1[kSets], c2[kSets], c3[kSets];
@@ -155,28 +194,8 @@ inline void draw_blocks(uint64_t j, const Stream& s, float* u) {
     }
     c0[set] = _mm256_load_si256(reinterpret_cast<const __m256i*>(low));
     c1[set] = _mm256_load_si256(reinterpret_cast<const __m256i*>(high));
-    c2[set] = _mm256_set1_epi32(static_cast<int>(s.step0));
-    c3[set] = _mm256_set1_epi32(static_cast<int>(s.step1));
   }
-  uint32_t k0 = s.key0, k1 = s.key1;
-  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kMultiplier0));
-  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(kMultiplier1));
-  for (int round = 0; round < kRounds; ++round) {
-    if (round) {
-      k0 += kKeyStep0;
-      k1 += kKeyStep1;
-    }
-    const __m256i key0 = _mm256_set1_epi32(static_cast<int>(k0)), key1 = _mm256_set1_epi32(static_cast<int>(k1));
-    for (int set = 0; set < kSets; ++set) {
-      __m256i hi0, lo0, hi1, lo1;
-      mulhilo8(c0[set], m0, &hi0, &lo0);
-      mulhilo8(c2[set], m1, &hi1, &lo1);
-      c0[set] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[set]), key0);
-      c1[set] = lo1;
-      c2[set] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[set]), key1);
-      c3[set] = lo0;
-    }
-  }
+  philox_sets<Avx2Ops, kSets>(c0, c1, c2, c3, s);
   for (int set = 0; set < kSets; ++set) store_uniforms(c0[set], c1[set], c2[set], c3[set], u + 64 * set);
 }
 #endif
@@ -190,6 +209,14 @@ inline void mulhilo16(__m512i a, __m512i m, __m512i* hi, __m512i* lo) {
   *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
 }
 
+// AVX-512's operations for philox_sets: 16 blocks per vector, the three-way XOR in one instruction.
+struct Avx512Ops {
+  using V = __m512i;
+  static V splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static void mulhilo(V a, V m, V* hi, V* lo) { mulhilo16(a, m, hi, lo); }
+  static V xor3(V a, V b, V c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
+};
+
 inline __m512 uniforms16(__m512i bits16) {
   return _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits16), _mm512_set1_ps(0.5f)),
                        _mm512_set1_ps(kUniformUnit));
@@ -200,9 +227,8 @@ inline __m256 high_half_of(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-// Blocks j .. j + 16 kSets - 1 (sets of 16, one block per lane) into u[0 .. 128 kSets) in element order: the rounds
-// of draw_blocks at twice the width, the same transpose per 8 blocks
-// (docs/benchmarks.md#the-draw-at-avx-512-width).
+// Blocks j .. j + 16 kSets - 1 (sets of 16, one block per lane) into u[0 .. 128 kSets) in element order: draw_blocks
+// at twice the width, the same transpose per 8 blocks (docs/benchmarks.md#the-draw-at-avx-512-width).
 template <int kSets>
 inline void draw_blocks16(uint64_t j, const Stream& s, float* u) {
   __m512i c0[kSets], c1[kSets], c2[kSets], c3[kSets];
@@ -214,28 +240,8 @@ inline void draw_blocks16(uint64_t j, const Stream& s, float* u) {
     const __m512i gather_high = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     c0[set] = _mm512_permutex2var_epi32(first, gather_low, second);
     c1[set] = _mm512_permutex2var_epi32(first, gather_high, second);
-    c2[set] = _mm512_set1_epi32(static_cast<int>(s.step0));
-    c3[set] = _mm512_set1_epi32(static_cast<int>(s.step1));
   }
-  uint32_t k0 = s.key0, k1 = s.key1;
-  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(kMultiplier0));
-  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(kMultiplier1));
-  for (int round = 0; round < kRounds; ++round) {
-    if (round) {
-      k0 += kKeyStep0;
-      k1 += kKeyStep1;
-    }
-    const __m512i key0 = _mm512_set1_epi32(static_cast<int>(k0)), key1 = _mm512_set1_epi32(static_cast<int>(k1));
-    for (int set = 0; set < kSets; ++set) {
-      __m512i hi0, lo0, hi1, lo1;
-      mulhilo16(c0[set], m0, &hi0, &lo0);
-      mulhilo16(c2[set], m1, &hi1, &lo1);
-      c0[set] = _mm512_ternarylogic_epi32(hi1, c1[set], key0, 0x96);  // three-way XOR
-      c1[set] = lo1;
-      c2[set] = _mm512_ternarylogic_epi32(hi0, c3[set], key1, 0x96);
-      c3[set] = lo0;
-    }
-  }
+  philox_sets<Avx512Ops, kSets>(c0, c1, c2, c3, s);
   const __m512i low_half = _mm512_set1_epi32(0xFFFF);
   for (int set = 0; set < kSets; ++set) {
     const __m512 r0 = uniforms16(_mm512_srli_epi32(c0[set], 16)), r1 = uniforms16(_mm512_srli_epi32(c1[set], 16));
