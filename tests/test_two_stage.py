@@ -3,6 +3,7 @@ in the one-process simulator."""
 
 import pytest
 import torch
+from test_native import build, other_builds  # noqa: F401 (the fixtures)
 
 from hvdcomp.codec import fused, native, native_planes
 from hvdcomp.codec.packing import bits_to_bytes, pack_planes, plane_bytes, unpack_planes
@@ -249,13 +250,23 @@ def test_birder_two_stage_routes(local_size, route):
     assert one_bit_route(10**6, Placement(0, 4, 2), True, "auto", "auto") == "hierarchical:allgather"  # 2 nodes
 
 
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The native kernels on (the suite runs eagerly: tests/conftest.py)."""
+    monkeypatch.setenv(fused.ENV_SWITCH, "1")
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    assert native.library() is not None, fused._Mode.failed
+
+
+@pytest.mark.usefixtures("kernels_on", "build")  # this CPU's build, then test_native's others
 @pytest.mark.parametrize("world_size,bits,numel,chunk_size", [(2, 4, 10_001, None), (3, 2, 25_000, 1000),
                                                               (4, 8, 8, None), (5, 16, 4_099, 333), (7, 1, 61, None),
-                                                              (2, 3, 300_000, 70_000)])
-def test_native_kernels_exchange_the_eager_bits(world_size, bits, numel, chunk_size, monkeypatch):
+                                                              (2, 3, 300_000, 70_000), (3, 7, 1_000, None)])
+def test_native_kernels_exchange_the_eager_bits(world_size, bits, numel, chunk_size):
     """The native kernels (stage one's planes, the owner's sum and re-quantization, the decode) give the eager
-    reference's messages and result bit for bit: sizes off the 8-value plane groups and the 4096-value tiles,
-    chunks straddling scale groups, 1 to 17-bit planes, several threads."""
+    reference's messages and result bit for bit, in every build: sizes off the 8-value plane groups, the 64-value
+    groups of the AVX-512 loops and the 4096-value tiles, chunks straddling scale groups, 1 to 17-bit planes (8 bits
+    exactly: 7-bit levels), several threads."""
     grads = _grads(world_size, numel, seed=bits)
     segments = [numel // 3, numel - numel // 3]
 
@@ -265,8 +276,6 @@ def test_native_kernels_exchange_the_eager_bits(world_size, bits, numel, chunk_s
                         for c, g in zip(_codecs(world_size, bits, chunk_size=chunk_size), grads)])
         return out, sent
 
-    monkeypatch.setenv(fused.ENV_SWITCH, "1")
-    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     assert native.usable(grads[0])
     natively, native_sent = exchanged()
     with fused.eager():

@@ -941,10 +941,71 @@ inline void unpack_8_planes(const uint8_t* planes, int64_t width, int64_t stride
 #endif
 }
 
+#if defined(__AVX512BW__)
+// Byte b of each of the 64 values v[0..64), value l in byte l.
+inline __m512i byte_of_64(const int32_t* v, int b) {
+  const __m128i shift = _mm_cvtsi32_si128(8 * b);
+  const auto quarter = [&](int j) {
+    return _mm512_cvtepi32_epi8(_mm512_srl_epi32(_mm512_loadu_si512(v + 16 * j), shift));
+  };
+  const __m256i low = _mm256_inserti128_si256(_mm256_castsi128_si256(quarter(0)), quarter(1), 1);
+  const __m256i high = _mm256_inserti128_si256(_mm256_castsi128_si256(quarter(2)), quarter(3), 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+// Plane bytes of 64 values (each below 2**width): planes[k * stride .. + 8) <- bit k of v[0..64), k < width (a byte
+// mask of bit k of each value is the plane's 8 bytes).
+inline void pack_64_planes(const int32_t* v, int64_t width, int64_t stride, uint8_t* planes) {
+  for (int b = 0; 8 * b < width; ++b) {
+    const __m512i bytes = byte_of_64(v, b);
+    for (int64_t k = 8 * b; k < std::min<int64_t>(width, 8 * b + 8); ++k) {
+      const uint64_t plane = _mm512_test_epi8_mask(bytes, _mm512_set1_epi8(static_cast<char>(1 << (k - 8 * b))));
+      std::memcpy(planes + k * stride, &plane, 8);
+    }
+  }
+}
+
+// The 64 values whose bit k planes[k * stride .. + 8) hold (k < width), values 16 j .. 16 j + 15 in v[j].
+inline void unpack_64_planes(const uint8_t* planes, int64_t width, int64_t stride, __m512i* v) {
+  for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_si512();
+  for (int b = 0; 8 * b < width; ++b) {
+    __m512i bytes = _mm512_setzero_si512();  // byte b of each value
+    for (int64_t k = 8 * b; k < std::min<int64_t>(width, 8 * b + 8); ++k) {
+      uint64_t plane;
+      std::memcpy(&plane, planes + k * stride, 8);
+      bytes = _mm512_mask_mov_epi8(bytes, plane, _mm512_or_si512(bytes, _mm512_set1_epi8(static_cast<char>(
+                                                                             1 << (k - 8 * b)))));
+    }
+    const __m128i shift = _mm_cvtsi32_si128(8 * b);
+    v[0] = _mm512_or_si512(v[0], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(bytes)), shift));
+    v[1] = _mm512_or_si512(v[1], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 1)), shift));
+    v[2] = _mm512_or_si512(v[2], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 2)), shift));
+    v[3] = _mm512_or_si512(v[3], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 3)), shift));
+  }
+}
+#endif
+
 // Planes of values[0..n) (a tile starting at value `at` of its row, at a multiple of 8) into the row's planes.
 inline void pack_tile(int32_t* values, int64_t n, int64_t at, int64_t width, int64_t stride, uint8_t* planes) {
   std::fill(values + n, values + (n + 7) / 8 * 8, 0);
-  for (int64_t q = 0; q < (n + 7) / 8; ++q) pack_8_planes(values + 8 * q, width, stride, planes + at / 8 + q);
+  int64_t q = 0;
+#if defined(__AVX512BW__)
+  for (; 8 * q + 64 <= n; q += 8) pack_64_planes(values + 8 * q, width, stride, planes + at / 8 + q);
+#endif
+  for (; q < (n + 7) / 8; ++q) pack_8_planes(values + 8 * q, width, stride, planes + at / 8 + q);
+}
+
+// The values [at, at + n) of a row's planes (at a multiple of 8) into values[0..n) (up to 7 more past n).
+inline void unpack_tile(const uint8_t* planes, int64_t at, int64_t n, int64_t width, int64_t stride, int32_t* values) {
+  int64_t q = 0;
+#if defined(__AVX512BW__)
+  for (; 8 * q + 64 <= n; q += 8) {
+    __m512i v[4];
+    unpack_64_planes(planes + at / 8 + q, width, stride, v);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(values + 8 * q + 16 * j, v[j]);
+  }
+#endif
+  for (; q < (n + 7) / 8; ++q) unpack_8_planes(planes + at / 8 + q, width, stride, values + 8 * q);
 }
 
 }  // namespace
@@ -994,7 +1055,19 @@ int64_t hvdcomp_sum_planes(const uint8_t* planes, int64_t rows, int64_t row_byte
       first > last || last > n || rows * ((int64_t{1} << width) - 1) > INT32_MAX)
     return kBadArgument;
   const int64_t stride = plane_stride(n);
-  for (int64_t q = first / 8; q < (last + 7) / 8; ++q) {
+  int64_t at = first;
+#if defined(__AVX512BW__)
+  for (; at + 64 <= last; at += 64) {
+    __m512i total[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                        _mm512_setzero_si512()}, v[4];
+    for (int64_t r = 0; r < rows; ++r) {
+      unpack_64_planes(planes + r * row_bytes + at / 8, width, stride, v);
+      for (int j = 0; j < 4; ++j) total[j] = _mm512_add_epi32(total[j], v[j]);
+    }
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(sums + at + 16 * j, total[j]);
+  }
+#endif
+  for (int64_t q = at / 8; q < (last + 7) / 8; ++q) {
     int32_t total[8] = {0, 0, 0, 0, 0, 0, 0, 0}, v[8];
     for (int64_t r = 0; r < rows; ++r) {
       unpack_8_planes(planes + r * row_bytes + q, width, stride, v);
@@ -1059,8 +1132,7 @@ int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t 
       const int64_t start = r * chunk + at, valid = std::max<int64_t>(0, std::min(std::min(kChunk, chunk - at),
                                                                                    numel - start));
       if (valid == 0) break;
-      for (int64_t q = 0; q < (valid + 7) / 8; ++q)
-        unpack_8_planes(planes + r * row_bytes + at / 8 + q, width, stride, values + 8 * q);
+      unpack_tile(planes + r * row_bytes, at, valid, width, stride, values);
       fill_factors(start, valid, ends, group_factors, groups, factors);
       const float row_factor = row_factors[r];
       for (int64_t i = 0; i < valid; ++i)
