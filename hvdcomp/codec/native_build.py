@@ -155,6 +155,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_half_mean": [_POINTER, _INT, _INT, _FLOAT, _INT, _INT, _POINTER, _POINTER],
     "hvdcomp_carrier_sums": [_POINTER, _INT, _DOUBLE, _INT, _INT, _POINTER],
     "hvdcomp_clip_excess": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER],
+    "hvdcomp_local_stats": [_POINTER, _INT, _POINTER, _INT, _INT, _INT, _POINTER],
 }
 
 

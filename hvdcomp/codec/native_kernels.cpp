@@ -1353,6 +1353,18 @@ int64_t hvdcomp_clip_excess(const float* x, int64_t numel, const int64_t* ends, 
   return 0;
 }
 
+// quantize.local_stats of values [first, last) of x (groups: values [ends[g - 1], ends[g]), cumulative, within numel):
+// stats[g] <- the max of stats[g] and the finite |x_i| of group g among them, stats[groups] <- 1 where one of them is
+// NaN or infinite.
+int64_t hvdcomp_local_stats(const float* x, int64_t numel, const int64_t* ends, int64_t groups, int64_t first,
+                            int64_t last, float* stats) {
+  if (numel < 0 || groups < 0 || first < 0 || first > last || last > numel) return kBadArgument;
+  for (int64_t g = 0, begin = 0; g < groups; begin = ends[g++])
+    if (ends[g] < begin || ends[g] > numel) return kBadArgument;
+  if (group_maxima(x + first, first, last - first, ends, groups, stats)) stats[groups] = 1.0f;
+  return 0;
+}
+
 // The exact sums of a reduced float carrier's words (hvdcomp/codec/carrier.py), in place: values[i] (float64, i in
 // [first, last) of [0, n)) <- the int64 nearest to values[i] * multiplier, rounding half to even (torch.round): adding
 // 2**52 rounds to an integer, whose bits less those of 2**52 are that integer. A result outside [0, 2**51) (no sum

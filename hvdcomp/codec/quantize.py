@@ -28,7 +28,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from . import native
+from . import native, native_stats
 from .fused import FusedKernel
 from .packing import (
     INT64_WORD_BITS,
@@ -121,13 +121,13 @@ class MaxNormQuantizer:
                     finite: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[len(groups) + 1]``: max of finite ``|x|`` per scale group (see ``scale_groups``),
         then 1.0 if ``x`` has NaN/Inf, or, given ``finite`` (0-d bool: e.g. whether the whole gradient that
-        ``x`` was selected from is finite, from ``sparse.gather``), 1.0 where ``finite`` is False.
-
-        Reduce with MAX across workers. Few long groups (per-tensor scales) take one ``aminmax`` pass per
-        group; many short ones (chunks), or a group holding NaN/Inf, take the segmented reduction.
-        """
+        ``x`` was selected from is finite, from ``sparse.gather``), 1.0 where ``finite`` is False. Reduce with MAX
+        across workers. Where ``native.usable``: one pass of ``native_stats``; else few long groups (per-tensor
+        scales) take one ``aminmax`` each, many short ones (chunks) or NaN/Inf the segmented reduction."""
         flat = x.detach().reshape(-1)
         check_groups(groups, flat.numel())
+        if native.usable(flat):
+            return native_stats.local_stats(flat, groups, finite)
         scale_stats = torch.zeros(groups.numel() + 1, dtype=torch.float32, device=x.device)
         if _few_long_groups(groups, flat.numel()):
             for group, (low, high) in enumerate(torch.aminmax(piece) for piece in flat.split(groups.tolist())):
