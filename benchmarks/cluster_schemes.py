@@ -26,7 +26,8 @@ default): Birder times both routes on its first steps (``hvdcomp.exchange.route`
 ``2 (TRIAL_ROUNDS + 1) + 1`` steps to time the route it keeps). Without ``:hier`` or ``:auto``, ``hierarchical=False``.
 
 ``:two_stage`` (``hvdcomp:qsgd<bits>`` and ``hvdcomp:birder``) passes ``exchange="two_stage"``: the
-constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes. ``:hsdp`` (``fsdp`` and
+constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes (``QSGDMaxNorm`` with its default
+scale, agreed ahead). ``:hsdp`` (``fsdp`` and
 ``hvdcomp-fsdp``) shards inside each node and replicates across nodes (HSDP): full precision inside, and for
 ``hvdcomp-fsdp`` the codec across nodes; it needs several workers per node.
 
@@ -89,12 +90,6 @@ class Scheme:
     def exchange(self) -> str:
         """The ``exchange=`` argument of hvdcomp's optimizers: ``"two_stage"`` or ``"lanes"``."""
         return "two_stage" if self.two_stage else "lanes"
-
-    @property
-    def scale(self) -> str:
-        """``QSGDMaxNorm``'s ``scale=``: ``"exact"`` with ``:two_stage`` (whose exchange agrees each bucket's scale
-        before its payload), else its default ``"ahead"``."""
-        return "exact" if self.two_stage else "ahead"
 
     @property
     def torch_distributed(self) -> bool:

@@ -70,11 +70,11 @@ class Run:
         self.traffic, self.payload_bits = traffic, payload_bits
 
 
-def _hvdcomp_compression(variant: str, bits: int | None, scale: str = "ahead") -> Any:
+def _hvdcomp_compression(variant: str, bits: int | None) -> Any:
     import hvdcomp
 
     if bits is not None:
-        return hvdcomp.QSGDMaxNorm(bits, scale=scale)
+        return hvdcomp.QSGDMaxNorm(bits)
     return {"none": hvdcomp.NoCompression, "fp16": hvdcomp.FP16, "bf16": hvdcomp.BF16,
             "multiscale48": lambda: hvdcomp.QSGDMaxNormMultiScale((4, 8)),
             "randk1": lambda: hvdcomp.GlobalRandKMaxNorm(ratio=0.01),
@@ -105,7 +105,7 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
                                    **BIRDER_HYPERPARAMETERS)
         stats = optimizer.stats
     else:
-        compression = _hvdcomp_compression(scheme.variant, scheme.qsgd_bits, scheme.scale)
+        compression = _hvdcomp_compression(scheme.variant, scheme.qsgd_bits)
         optimizer = hvdcomp.DistributedOptimizer(sgd, named_parameters=named, compression=compression,
                                                  hierarchical=scheme.hierarchical, exchange=scheme.exchange)
         stats = optimizer.stats

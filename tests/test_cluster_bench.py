@@ -54,7 +54,6 @@ def test_scheme_names():
     assert "hvdcomp-ddp:birder" not in DEFAULT and [n for n in QUICK if n.startswith("hvdcomp-ddp:")]
     two_stage = parse_scheme("hvdcomp:qsgd8:hier:two_stage")
     assert two_stage == Scheme("hvdcomp", "qsgd8", True, True) and two_stage.exchange == "two_stage"
-    assert two_stage.scale == "exact" and parse_scheme("hvdcomp:qsgd8").scale == "ahead"
     assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
     for name in ("hvdcomp:birder:auto", "hvdcomp-ddp:birder:auto", "hvdcomp:birder:auto:two_stage"):
         scheme = parse_scheme(name)  # the route left open: Birder's default

@@ -22,9 +22,9 @@ def test_resolve_codec_maps_every_compression_argument():
     for exchange in ("two_stage", "auto"):
         two_stage = resolve_codec(exact, exchange, workers_per_node=2)
         assert isinstance(two_stage, TwoStageMaxNorm) and two_stage.inner is exact.max_norm
-        assert two_stage.mode == exchange and two_stage.workers_per_node == 2
-        with pytest.raises(ValueError, match="scale='exact'"):  # the scale agreed ahead is never dropped silently
-            resolve_codec(ahead, exchange)
+        assert two_stage.mode == exchange and two_stage.workers_per_node == 2 and two_stage.ahead is None
+        kept = resolve_codec(ahead, exchange)  # the scale agreed ahead is never dropped silently
+        assert isinstance(kept, TwoStageMaxNorm) and kept.inner is ahead.max_norm and kept.ahead is not None
     multiscale = hvdcomp.QSGDMaxNormMultiScale((4, 8))
     assert isinstance(resolve_codec(multiscale, "auto"), TwoStageMaxNorm)
     with pytest.raises(ValueError, match="two_stage"):

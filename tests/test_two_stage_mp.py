@@ -1,5 +1,6 @@
 """The two-stage exchange on 4 real Gloo workers (2 emulated nodes of 2): statistics, the optimizer's and
-Birder's exchange= choices, hierarchical (node-level) use and an exact resume with error feedback."""
+Birder's exchange= choices, hierarchical (node-level) use, with the scale exact and agreed ahead, and an exact resume
+with error feedback."""
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ from tests.harness import run_function
 
 EMULATED_NODES = "localhost:2,127.0.0.1:2"
 NUMEL, TRIALS, BITS = 12, 300, 3
+OPTIMIZER_CASES = [("two_stage", False, "exact"), ("two_stage", True, "exact"), ("auto", False, "exact"),
+                   ("two_stage", False, "ahead"), ("two_stage", True, "ahead")]  # (exchange, hierarchical, scale)
 
 
 def _inputs(rank):
@@ -52,14 +55,16 @@ def _worker():
         torch.nn.functional.mse_loss(net(x), y).backward()
         optimizer.step()
 
-    for exchange, hierarchical in (("two_stage", False), ("two_stage", True), ("auto", False)):
+    for exchange, hierarchical, scale in OPTIMIZER_CASES:
         net = model()
         with hvdcomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                          compression=hvdcomp.QSGDMaxNorm(6, scale="exact"),
+                                          compression=hvdcomp.QSGDMaxNorm(6, scale=scale),
                                           hierarchical=hierarchical, exchange=exchange) as optimizer:
-            step(net, optimizer, 0)
-            out[(exchange, hierarchical)] = {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
-                                             "stats": optimizer.stats.last_step.as_dict()}
+            for seed in range(1 if scale == "exact" else 3):  # ahead: the first step seeds the scale
+                step(net, optimizer, seed)
+            out[(exchange, hierarchical, scale)] = {
+                "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+                "stats": optimizer.stats.last_step.as_dict()}
     net = model()
     optimizer = hvdcomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), exchange="two_stage",
                                              compression=_codec("two_stage", error_feedback=True))
@@ -106,13 +111,14 @@ def test_two_stage_on_four_gloo_workers():
     assert (var <= 1.3 * bound).all() and (var / bound).mean() > 0.1
     assert [r["alltoall"].tolist() for r in results] == [[j + 4 * i for i in range(4)] for j in range(4)]
     # the optimizer: replicas agree; the flat two-stage sends ~2 (6 + 1) bits per element, not lanes of 12 bits
-    for key in (("two_stage", False), ("two_stage", True), ("auto", False)):
+    for key in OPTIMIZER_CASES:
         assert all(torch.equal(r[key]["params"], results[0][key]["params"]) for r in results), key
-    flat = results[0][("two_stage", False)]["stats"]
-    elements = flat["uncompressed_bytes"] / 4
-    assert flat["inter_node_bytes"] * 8 / elements < 2 * (6 + 1) + 2  # the all-to-all and the all-gather (+ MAX)
-    hier = results[0][("two_stage", True)]["stats"]
-    assert hier["intra_node_bytes"] > 0 and hier["inter_node_bytes"] < 0.75 * flat["inter_node_bytes"]
+    for scale in ("exact", "ahead"):  # ahead: the statistics ride in the all-to-all, no MAX
+        flat = results[0][("two_stage", False, scale)]["stats"]
+        elements = flat["uncompressed_bytes"] / 4
+        assert flat["inter_node_bytes"] * 8 / elements < 2 * (6 + 1) + 2  # the all-to-all and the all-gather (+ MAX)
+        hier = results[0][("two_stage", True, scale)]["stats"]
+        assert hier["intra_node_bytes"] > 0 and hier["inter_node_bytes"] < 0.75 * flat["inter_node_bytes"]
     # error feedback on both stages resumes exactly
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["unbroken"], r["resumed"]))

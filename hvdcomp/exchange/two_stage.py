@@ -27,6 +27,14 @@ with scale ``M``, stage 1 contributes at most ``(M / s)**2 / (4 W)`` (``W`` inde
 so the constant wire cost is paid in variance (up to ``W + 1`` times the lanes', less where the chunk
 means are smaller than ``M``: ``m < 1``).
 
+**The scale agreed ahead** (``scale="ahead"``, ``QSGDMaxNorm``'s default; ``hvdcomp.exchange.ahead``): with the scale
+every worker agreed at the bucket's previous exchange, step 1 needs no MAX round: each worker quantizes at once
+(an element above ``M`` as ``sign(x) M``, its excess kept for the next step, ``hvdcomp.codec.agreed``) and appends its
+``local_stats`` (float32 ``[G + 1]``) to every row of the all-to-all, so each owner receives every worker's and all
+take their maximum alike: the next exchange's scale. A bucket without an agreed scale (its first exchange, a new
+size, the step after a NaN/Inf) runs the exact exchange above, whose MAX seeds it; a NaN/Inf on any worker gives
+all-NaN with a warning, and the next exchange is exact. Not with error feedback or rotation (``ValueError``).
+
 **Rotation** (``inner``'s ``rotate``): stage 1 quantizes the rotated values (``hvdcomp.codec.rotation``) and every
 worker rotates the gathered result back; the bound holds with the rotated ``M``. It takes no error feedback: the
 chunk owners' memories would hold one step's rotated values.
@@ -49,10 +57,12 @@ from typing import Any
 import torch
 
 from ..codec import native, native_planes
+from ..codec.agreed import AgreedScales
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import pack_planes, plane_bytes, unpack_planes
 from ..codec.quantize import MaxNormQuantizer, stochastic_levels
 from ..codec.validate import check_bool, check_int
+from .ahead import AheadMaxNorm
 from .bucket import ElementwiseCodec, Segments
 from .cost import EXCHANGES, TWO_STAGE_HEADER_BYTES, choose_exchange, plain_width
 from .elementwise import MaxNormCodec, warn_nonfinite
@@ -101,10 +111,12 @@ class TwoStageMaxNorm(ElementwiseCodec):
         error_feedback: keep what each stage's rounding lost (worker- and chunk-owner-side) for the next step.
         workers_per_node: workers sharing a node's uplink within one exchange (1 in hierarchical mode, where
             each group spans one worker per node); only ``"auto"`` reads it.
+        scale: ``"exact"`` (a MAX round before each payload) or ``"ahead"`` (the scale agreed at the bucket's previous
+            exchange, for both exchanges: the lanes of ``AheadMaxNorm``; see the module docstring).
     """
 
     def __init__(self, inner: MaxNormCodec, exchange: str = "auto", error_feedback: bool = False,
-                 workers_per_node: int = 1) -> None:
+                 workers_per_node: int = 1, scale: str = "exact") -> None:
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.supports_two_stage = not inner.quantizer.multiscale and inner.selector is None
@@ -114,18 +126,31 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if error_feedback and inner.rotation is not None:
             raise ValueError("a rotated two-stage exchange keeps no error feedback: the chunk owners' memories would "
                              "hold values rotated by a step's rotation; pass error_feedback=False or rotate=False")
+        if scale not in ("exact", "ahead"):
+            raise ValueError(f"scale must be 'exact' or 'ahead', got {scale!r}")
+        if scale == "ahead" and (error_feedback or inner.rotation is not None):
+            raise ValueError("a two-stage exchange with the scale agreed ahead takes no error feedback and no "
+                             "rotation: pass scale='exact' (QSGDMaxNorm(..., scale='exact')) for them")
         self.inner = inner
         self.mode = exchange
         self.memory = ErrorFeedback() if check_bool("error_feedback", error_feedback) else None
         self.workers_per_node = check_int("workers_per_node", workers_per_node, 1)
+        self.ahead = AheadMaxNorm(inner) if scale == "ahead" else None  # its lanes, and the agreed scales of both
+        if self.ahead is not None:
+            self.bucket_mb = self.ahead.bucket_mb
 
     def config(self) -> tuple:
         """What every worker must share: ``inner``'s configuration (bits, scale chunks, seed, rotation) and whether
         both stages feed back their errors (the exchange mode is the doors' own setting)."""
-        return (*self.inner.config(), self.memory is not None)
+        return (*self.inner.config(), self.memory is not None) + (() if self.ahead is None else ("ahead",))
 
     def bind_rank(self, rank: int) -> None:
         self.inner.bind_rank(rank)
+
+    def bind_transport(self, transport: Any) -> None:
+        super().bind_transport(transport)
+        if self.ahead is not None:
+            self.ahead.bind_transport(transport)
 
     def choose(self, numel: int, world_size: int) -> str:
         """``"lanes"`` or ``"two_stage"`` for a bucket of ``numel`` elements over ``world_size`` workers."""
@@ -139,7 +164,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
                  world_size: int) -> Exchange:
         """See ``ElementwiseCodec.exchange``; every worker chooses alike (from sizes every worker shares)."""
         if self.choose(flat.numel(), world_size) == "lanes":
-            return self.inner.exchange(flat, segments, key, step, world_size)
+            return (self.inner if self.ahead is None else self.ahead).exchange(flat, segments, key, step, world_size)
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
@@ -151,34 +176,55 @@ class TwoStageMaxNorm(ElementwiseCodec):
         s, width, numel = quantizer.coarse_levels, plain_width(quantizer.bits[0]), flat.numel()
         chunk = shard_length(numel, world_size)
         rounding = self.inner.rounding_stream(key, step, flat.device)
+        agreed = None if self.ahead is None else self.ahead.memory  # (then no error feedback, no rotation)
         residual = None if self.memory is None else self.memory.residual(key, flat)
-        values = flat if residual is None else flat + residual
+        values = agreed.with_excess(key, flat) if agreed is not None else flat if residual is None else flat + residual
         groups = quantizer.scale_groups(numel, layout)
         if self.inner.rotation is not None:
             values = self.inner.rotation.forward(values, groups, key, step)
         # the native kernels compute what the eager steps below compute, without their level-sized temporaries
         kernels = residual is None and numel > 0 and native.usable(flat)
 
-        scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)  # 1. the shared scale
-        nonfinite = quantizer.saw_nonfinite(scale_stats)
+        scale_stats = None if agreed is None else agreed.scales(key, numel, world_size, groups.numel())
+        local = None
+        if scale_stats is None:  # 1. the shared scale
+            scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)
+            nonfinite = quantizer.saw_nonfinite(scale_stats)
+            if agreed is not None and agreed.agree(key, numel, world_size, scale_stats):
+                agreed.keep_excess(key, None)  # this exchange sends it
+            if nonfinite:
+                warn_nonfinite(key, step)
+        else:  # agreed ahead: this worker's statistics ride in stage one (the others' arrive with it)
+            local = quantizer.local_stats(values, groups)
+            nonfinite = quantizer.saw_nonfinite(local)
         if nonfinite:
-            warn_nonfinite(key, step)
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        extra = 0 if local is None else 4 * local.numel()  # the statistics' bytes after each row's planes
         if kernels:
-            row = TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width)  # messages and result reused every step
+            row = TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width) + extra  # messages and result reused every step
             buffers = self.inner.buffers
             message = stage_one_rows(buffers.take((key, "stage one"), world_size * row, torch.uint8,
                                                   flat.device).view(world_size, row))
             native_planes.encode_planes(values, groups, quantizer.group_units(scale_stats), s, width, rounding, chunk,
                                  message, TWO_STAGE_HEADER_BYTES)
+            if extra:
+                message[:, row - extra:] = local.view(torch.uint8)
         else:
             levels = quantizer.quantize_levels(values, scale_stats, groups, None, rounding)
             if residual is not None and not nonfinite:
                 torch.sub(values, levels * quantizer.step_sizes(scale_stats, groups, numel), out=residual)
             message = stage_one_message(levels, quantizer, world_size)
+            if extra:
+                message = torch.cat([message, local.view(torch.uint8).expand(world_size, -1)], dim=1)
+        excess = None if local is None or nonfinite else agreed.clipped(values, local, scale_stats, groups)
 
         received = yield Op.ALLTOALL, message.reshape(-1)  # 2.
         rows = received.view(world_size, -1)
+        if extra:  # every worker's statistics: their maximum is the next exchange's scale, alike on every worker
+            reduced = rows[:, rows.shape[1] - extra:].contiguous().view(torch.float32).amax(dim=0)
+            nonfinite = not agreed.agree(key, numel, world_size, reduced)
+            if nonfinite:
+                warn_nonfinite(key, step)
         index = int(rows[0, :TWO_STAGE_HEADER_BYTES].view(torch.int32))  # 3. this worker's chunk, summed exactly
         owner_rounding = self.inner.rounding_stream((key, "owner"), step, flat.device)
         if kernels:
@@ -200,6 +246,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
             result.mul_(quantizer.step_sizes(scale_stats, groups, numel)).mul_(s)
         if nonfinite:
             return result.fill_(float("nan"))
+        if local is not None:
+            agreed.keep_excess(key, excess)
         return result if self.inner.rotation is None else self.inner.rotation.inverse_(result, groups, key, step)
 
     def _requantize_natively(self, rows: torch.Tensor, chunk: int, width: int, world_size: int,
@@ -226,7 +274,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         """Step 3 in eager steps, with the owner's error feedback: the stage-two message of chunk ``index``."""
         quantizer = self.inner.quantizer
         s, width = quantizer.coarse_levels, plain_width(quantizer.bits[0])
-        level_sums = unpack_planes(rows[:, TWO_STAGE_HEADER_BYTES:], width, chunk).sum(dim=0) - world_size * s
+        planes = rows[:, TWO_STAGE_HEADER_BYTES:TWO_STAGE_HEADER_BYTES + plane_bytes(chunk, width)]  # no statistics
+        level_sums = unpack_planes(planes, width, chunk).sum(dim=0) - world_size * s
         mean = level_sums.to(torch.float32).div_(world_size * s)  # in units of each element's M
         lo, hi = min(index * chunk, numel), min((index + 1) * chunk, numel)
         owner_residual = None
@@ -246,12 +295,21 @@ class TwoStageMaxNorm(ElementwiseCodec):
         return stage_two_message(requantized, chunk_scale, quantizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner codec's state and both stages' error-feedback memories."""
-        return {"inner": self.inner.state_dict(), "memory": None if self.memory is None else self.memory.state_dict()}
+        """The inner codec's state, both stages' error-feedback memories, and with the scale agreed ahead the agreed
+        scales and the clipped excess (``"agreed"``)."""
+        state = {"inner": self.inner.state_dict(), "memory": None if self.memory is None else self.memory.state_dict()}
+        return state if self.ahead is None else {**state, "agreed": self.ahead.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["memory"] is None) != (self.memory is None):
             raise ValueError("the saved state and this codec disagree on error feedback")
+        if ("agreed" in state) != (self.ahead is not None):
+            raise ValueError("the saved state and this codec disagree on the scale (a state saved with scale='exact' "
+                             "loads with scale='exact', one saved with scale='ahead' with scale='ahead')")
+        if self.ahead is not None:
+            AgreedScales.check_state(state["agreed"])
         self.inner.load_state_dict(state["inner"])
+        if self.ahead is not None:
+            self.ahead.memory.load_state_dict(state["agreed"])
         if self.memory is not None:
             self.memory.load_state_dict(state["memory"])

@@ -193,7 +193,8 @@ class QSGDMaxNorm(MaxNormCompressor):
       (8 bits per element for 4 bits at W = 2) plus ``W`` rows of one word per scale group and the NaN flag.
     - ``"exact"``: this step's ``M``, from a MAX round before the payload (in the stock optimizer, blocking,
       in ``synchronize()``, batched over every gradient); unbiased every step. ``exchange="two_stage"`` and
-      ``"auto"`` need it.
+      ``"auto"`` take either (``"ahead"``: the statistics ride in the two-stage exchange's first stage; not with
+      ``rotate=True``).
 
     ``warmup_steps`` and ``min_compress_numel``: see ``MaxNormCompressor``.
 

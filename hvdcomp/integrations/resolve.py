@@ -23,7 +23,7 @@ def resolve_codec(compression: Any, exchange: str = "lanes", workers_per_node: i
     - a public max-norm codec (``hvdcomp.QSGDMaxNorm(8)``, ...) -> its ``inner`` codec (``AheadMaxNorm`` or
       ``MaxNormCodec``, whose int64 SUM of packed levels ``exchange="lanes"`` runs), or with ``exchange``
       ``"two_stage"`` / ``"auto"`` a ``TwoStageMaxNorm`` around its ``MaxNormCodec`` (``workers_per_node`` share an
-      uplink in each exchange); that needs ``scale="exact"``: with ``scale="ahead"`` a ``ValueError``;
+      uplink in each exchange) with the compressor's ``scale`` (``"ahead"`` with rotation: ``ValueError``);
     - any other ``BucketCodec`` (``PowerSGD``, ``FP16(...)``, ``TwoStageMaxNorm(...)``, ...) as it is; with
       ``exchange="two_stage"`` only a ``TwoStageMaxNorm``.
 
@@ -33,11 +33,8 @@ def resolve_codec(compression: Any, exchange: str = "lanes", workers_per_node: i
     if isinstance(compression, MaxNormCompressor):
         if exchange == "lanes":
             return compression.inner
-        if isinstance(compression.inner, AheadMaxNorm):
-            raise ValueError(f"exchange={exchange!r} agrees each bucket's scale before its payload: pass "
-                             f"{type(compression).__name__}(..., scale='exact'), or exchange='lanes' for the scale "
-                             "agreed ahead")
-        return TwoStageMaxNorm(compression.max_norm, exchange, workers_per_node=workers_per_node)
+        scale = "ahead" if isinstance(compression.inner, AheadMaxNorm) else "exact"
+        return TwoStageMaxNorm(compression.max_norm, exchange, workers_per_node=workers_per_node, scale=scale)
     if exchange == "two_stage" and not isinstance(compression, TwoStageMaxNorm):
         raise ValueError(f"exchange='two_stage' applies to the max-norm codecs (QSGDMaxNorm), not to "
                          f"compression={compression!r}")
