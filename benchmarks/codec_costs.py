@@ -66,6 +66,8 @@ SCHEMES = {
     "QSGDMaxNorm(4), scale ahead": lambda: AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)))),
     "QSGDMaxNorm(2)": lambda: MaxNormCodec(MaxNormQuantizer((2,))),
     "QSGDMaxNorm(4), two-stage": lambda: TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))), "two_stage"),
+    "QSGDMaxNorm(4), two-stage, scale ahead": lambda: TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))), "two_stage",
+                                                                     scale="ahead"),
     "QSGDMaxNorm(8, rotate)": lambda: MaxNormCodec(MaxNormQuantizer((8,)), rotate=True),
     "QSGDMaxNorm(2, rotate)": lambda: MaxNormCodec(MaxNormQuantizer((2,)), rotate=True),
     "QSGDMaxNormMultiScale(4,8)": lambda: MaxNormCodec(MaxNormQuantizer((4, 8))),

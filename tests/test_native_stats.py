@@ -1,14 +1,16 @@
 """The native local statistics (``hvdcomp.codec.native_stats``): ``MaxNormQuantizer.local_stats`` gives the same
 maxima and NaN/Inf flag bit for bit with the kernel as with torch's per-group and segmented reductions, for per-tensor
 and chunked groups, zeros and negative zeros, NaN and infinities, a given ``finite``, one thread or several, with this
-CPU's build and the others of ``test_native.BUILDS``; an exact exchange gives the same means either way; the kernel
-refuses groups that do not fit the values and leaves its output untouched."""
+CPU's build and the others of ``test_native.BUILDS``; so does the two-stage encode's pass (``native_planes``); an
+exact exchange gives the same means either way; the kernel refuses groups that do not fit the values and leaves its
+output untouched."""
 
 import pytest
 import torch
 from test_native import _native_on, build, other_builds, threads  # noqa: F401 (fixtures)
 
-from hvdcomp.codec import native, native_stats
+from hvdcomp.codec import native, native_planes, native_stats
+from hvdcomp.codec.packing import plane_bytes
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.exchange import MaxNormCodec, simulate
 
@@ -52,6 +54,22 @@ def test_native_stats_equal_torchs(lengths, chunk_size, specials, monkeypatch):
     for finite in (torch.tensor(True), torch.tensor(False)):  # sparse.gather's flag replaces the values' own
         assert torch.equal(quantizer.local_stats(x, groups, finite),
                            _torch_stats(quantizer, x, groups, monkeypatch, finite))
+
+
+@pytest.mark.usefixtures("build", "threads")
+@pytest.mark.parametrize("specials", [(), (float("nan"), float("-inf"))])
+def test_the_two_stage_encode_finds_them_in_its_pass(specials, monkeypatch):
+    quantizer, lengths, world_size, width = MaxNormQuantizer((4,), 5000), [70001, 17, 131_072 + 3], 3, 5
+    x = _values(sum(lengths), 7, specials)
+    groups = quantizer.scale_groups(x.numel(), lengths)
+    want = _torch_stats(quantizer, x, groups, monkeypatch)
+    chunk = -(-x.numel() // world_size)
+    planes = torch.zeros(world_size, 4 + plane_bytes(chunk, width), dtype=torch.uint8)
+    rng, units = torch.tensor([1, 2, 3, 4]), torch.full((groups.numel(),), 3.0)
+    without = native_planes.encode_planes(x, groups, units, 15, width, rng, chunk, planes.clone(), 4)
+    stats = torch.full_like(want, -1.0)  # overwritten, not raised to
+    with_stats = native_planes.encode_planes(x, groups, units, 15, width, rng, chunk, planes, 4, stats)
+    assert torch.equal(stats, want) and torch.equal(with_stats, without)
 
 
 def test_groups_of_zeros_and_without_values():

@@ -82,7 +82,12 @@ def test_what_rises_above_the_agreed_scale_is_kept_and_sent_later():
     assert all("b" not in c.ahead.memory.state_dict()["excess"] for c in codecs)
 
 
-def test_nonfinite_on_one_worker_gives_nan_everywhere_and_an_exact_exchange_next():
+@pytest.mark.parametrize("kernels", [False, True])
+def test_nonfinite_on_one_worker_gives_nan_everywhere_and_an_exact_exchange_next(kernels, monkeypatch):
+    if kernels:  # the statistics from the encode's pass, the planes encoded again without the NaN
+        monkeypatch.setenv(fused.ENV_SWITCH, "1")
+        monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+        assert native.library() is not None and native.usable(torch.zeros(1))
     codecs = _codecs(3)
     grads = _grads(3, seed=3)
     _step(codecs, grads, 0)

@@ -144,7 +144,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_lane_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_encode_planes": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _INT,
-                              _POINTER],
+                              _POINTER, _POINTER],
     "hvdcomp_sum_planes": [_POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_requantize_planes": [_POINTER, _INT, _INT, _INT, _INT, _FLOAT, _POINTER, _INT, _INT, _POINTER],
     "hvdcomp_decode_planes": [_POINTER, _INT, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,

@@ -1015,10 +1015,11 @@ extern "C" {
 // Stage one of the two-stage exchange for rows [row_first, row_last): row r holds values r chunk .. (r + 1) chunk - 1,
 // value i as sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse (coarse past numel), f_i its group's coarse / M
 // and U_i the rounding stream's uniform i (quantize.quantize_levels, two_stage.stage_one_message), in planes at
-// out + r row_bytes.
+// out + r row_bytes. With stats (not null, groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite
+// |x_i| of group g among the rows' values), stats[groups] <- 1 where one of them is NaN or infinite (local_stats).
 int64_t hvdcomp_encode_planes(const float* x, int64_t numel, const int64_t* ends, const float* group_factors,
                               int64_t groups, int64_t coarse, int64_t width, const int64_t* stream_words, int64_t chunk,
-                              int64_t row_first, int64_t row_last, int64_t row_bytes, uint8_t* out) {
+                              int64_t row_first, int64_t row_last, int64_t row_bytes, uint8_t* out, float* stats) {
   if (numel < 0 || groups < 0 || coarse < 0 || !planes_fit(width) || 2 * coarse >= (int64_t{1} << width) ||
       chunk < 0 || row_first < 0 || row_first > row_last || row_bytes < width * plane_stride(chunk))
     return kBadArgument;
@@ -1036,6 +1037,7 @@ int64_t hvdcomp_encode_planes(const float* x, int64_t numel, const int64_t* ends
       draw(start - skip, (skip + n + 7) / 8 * 8, s, noise);
       fill_factors(start, valid, ends, group_factors, groups, factors);
       const float* xs = x + start;
+      if (stats != nullptr && group_maxima(xs, start, valid, ends, groups, stats)) stats[groups] = 1.0f;
       for (int64_t i = 0; i < valid; ++i) {
         float level = std::floor(std::fabs(xs[i]) * factors[i] + noise[skip + i]);
         level = level < limit ? level : limit;

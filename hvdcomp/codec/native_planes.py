@@ -29,11 +29,13 @@ def _plane_rows(name: str, rows: torch.Tensor, header: int, numel: int, width: i
 
 
 def encode_planes(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, width: int,
-                  rng: torch.Tensor, chunk: int, out: torch.Tensor, header: int) -> torch.Tensor:
+                  rng: torch.Tensor, chunk: int, out: torch.Tensor, header: int,
+                  stats: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` (contiguous uint8 ``[rows, bytes]``, CPU; ``rows * chunk >= numel``) <- after each row's first
     ``header`` bytes, the ``width`` bit planes (``packing.pack_planes``) of row ``r``'s levels: ``quantize_levels``
     of flat float32 ``x`` (``usable``) for elements ``r chunk ..`` plus ``coarse`` (``coarse`` past ``numel``);
-    ``factors[g]`` = ``s / M`` of group ``g``, ``rng`` the stream words. Returns ``out``."""
+    ``factors[g]`` = ``s / M`` of group ``g``, ``rng`` the stream words; ``stats`` (float32 ``[len(groups) + 1]``) if
+    given <- ``quantize.local_stats(x, groups)``, same pass. Returns ``out``."""
     numel = _checked("x", x, torch.float32).numel()
     rows, size = _plane_rows("the stage-one rows", out, header, chunk, width)
     if rows * chunk < numel or 2 * coarse >= 1 << width:
@@ -41,13 +43,19 @@ def encode_planes(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, 
                          f"[0, {2 * coarse}]")
     ends, factors, _ = _groups(groups, factors, numel)
     rng = _stream(rng)
+    stats = None if stats is None else _output(stats, ends.numel() + 1, torch.float32)
     lib = _Library.handle
 
-    def run(lo: int, hi: int) -> None:
+    def run(lo: int, hi: int) -> torch.Tensor | None:  # this range's statistics, zeroed first (all rows: stats)
+        part = None if stats is None else stats if hi - lo == rows * chunk else torch.empty_like(stats)
         lib.hvdcomp_encode_planes(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
-                                  width, rng.data_ptr(), chunk, lo // chunk, hi // chunk, size, out.data_ptr() + header)
+                                  width, rng.data_ptr(), chunk, lo // chunk, hi // chunk, size, out.data_ptr() + header,
+                                  None if part is None else part.zero_().data_ptr())
+        return part
 
-    _in_parallel(run, rows * chunk, max(chunk, 1))
+    partials = _in_parallel(run, rows * chunk, max(chunk, 1))
+    if stats is not None and len(partials) > 1:
+        torch.amax(torch.stack(partials), dim=0, out=stats)
     return out
 
 

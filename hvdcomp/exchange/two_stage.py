@@ -194,8 +194,9 @@ class TwoStageMaxNorm(ElementwiseCodec):
                 agreed.keep_excess(key, None)  # this exchange sends it
             if nonfinite:
                 warn_nonfinite(key, step)
-        else:  # agreed ahead: this worker's statistics ride in stage one (the others' arrive with it)
-            local = quantizer.local_stats(values, groups)
+        else:  # agreed ahead: this worker's statistics ride in stage one (the others' arrive with it); the kernels
+            # find them in their encode's pass
+            local = torch.zeros(groups.numel() + 1) if kernels else quantizer.local_stats(values, groups)
             nonfinite = quantizer.saw_nonfinite(local)
         if nonfinite:
             values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
@@ -205,8 +206,13 @@ class TwoStageMaxNorm(ElementwiseCodec):
             buffers = self.inner.buffers
             message = stage_one_rows(buffers.take((key, "stage one"), world_size * row, torch.uint8,
                                                   flat.device).view(world_size, row))
-            native_planes.encode_planes(values, groups, quantizer.group_units(scale_stats), s, width, rounding, chunk,
-                                 message, TWO_STAGE_HEADER_BYTES)
+            units = quantizer.group_units(scale_stats)
+            native_planes.encode_planes(values, groups, units, s, width, rounding, chunk, message,
+                                        TWO_STAGE_HEADER_BYTES, local)
+            if local is not None and quantizer.saw_nonfinite(local):  # encoded again without them: of no use, defined
+                nonfinite, values = True, torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+                native_planes.encode_planes(values, groups, units, s, width, rounding, chunk, message,
+                                            TWO_STAGE_HEADER_BYTES)
             if extra:
                 message[:, row - extra:] = local.view(torch.uint8)
         else:
