@@ -953,34 +953,101 @@ inline __m512i byte_of_64(const int32_t* v, int b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
-// Plane bytes of 64 values (each below 2**width): planes[k * stride .. + 8) <- bit k of v[0..64), k < width (a byte
-// mask of bit k of each value is the plane's 8 bytes).
-inline void pack_64_planes(const int32_t* v, int64_t width, int64_t stride, uint8_t* planes) {
+// Blocks of 64 values for the plane loops below (AVX-512): a block's values as four vectors of 16 int32, one byte
+// of each value in a vector of 64 bytes, one bit of each in a 64-bit mask (a plane's 8 bytes).
+struct PlaneBlocks {
+  static constexpr int64_t kValues = 64;
+  using V = __m512i;
+  using Mask = uint64_t;
+  static V zero() { return _mm512_setzero_si512(); }
+  static V add(V a, V b) { return _mm512_add_epi32(a, b); }
+  static void store(int32_t* p, V v) { _mm512_storeu_si512(p, v); }
+  static V bytes_of(const int32_t* v, int b) { return byte_of_64(v, b); }
+  static Mask bit_of(V bytes, int bit) {
+    return _mm512_test_epi8_mask(bytes, _mm512_set1_epi8(static_cast<char>(1 << bit)));
+  }
+  static V with_bit(V bytes, Mask plane, int bit) {
+    return _mm512_mask_mov_epi8(bytes, plane, _mm512_or_si512(bytes, _mm512_set1_epi8(static_cast<char>(1 << bit))));
+  }
+  static void widen_into(V bytes, int shift_bits, V* v) {  // v[j] |= the bytes of values 16 j .. as int32 << shift
+    const __m128i shift = _mm_cvtsi32_si128(shift_bits);
+    const __m128i quarters[4] = {_mm512_castsi512_si128(bytes), _mm512_extracti32x4_epi32(bytes, 1),
+                                 _mm512_extracti32x4_epi32(bytes, 2), _mm512_extracti32x4_epi32(bytes, 3)};
+    for (int j = 0; j < 4; ++j)
+      v[j] = _mm512_or_si512(v[j], _mm512_sll_epi32(_mm512_cvtepu8_epi32(quarters[j]), shift));
+  }
+};
+#elif defined(__AVX2__)
+// Byte b of each of the 32 values v[0..32), value l in byte l.
+inline __m256i byte_of_32(const int32_t* v, int b) {
+  const __m128i shift = _mm_cvtsi32_si128(8 * b);
+  const __m256i low_byte = _mm256_set1_epi32(0xFF);
+  const auto eighth = [&](int j) {
+    return _mm256_and_si256(
+        _mm256_srl_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 8 * j)), shift), low_byte);
+  };
+  // the packs interleave the 128-bit lanes: bytes of values 0-3, 8-11, 16-19, 24-27, 4-7, 12-15, 20-23, 28-31
+  const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(eighth(0), eighth(1)),
+                                            _mm256_packus_epi32(eighth(2), eighth(3)));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Blocks of 32 values for the plane loops below (AVX2): a block's values as four vectors of 8 int32, one byte of
+// each value in a vector of 32 bytes, one bit of each in a 32-bit mask (a plane's 4 bytes).
+struct PlaneBlocks {
+  static constexpr int64_t kValues = 32;
+  using V = __m256i;
+  using Mask = uint32_t;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V add(V a, V b) { return _mm256_add_epi32(a, b); }
+  static void store(int32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static V bytes_of(const int32_t* v, int b) { return byte_of_32(v, b); }
+  static Mask bit_of(V bytes, int bit) {  // the bit to each byte's top (16-bit shifts: none reaches bit 15)
+    return static_cast<Mask>(_mm256_movemask_epi8(_mm256_sll_epi16(bytes, _mm_cvtsi32_si128(7 - bit))));
+  }
+  static V with_bit(V bytes, Mask plane, int bit) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,   // byte l <- the
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);  // plane's byte l / 8
+    const __m256i bits = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128,
+                                          1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m256i spread_plane = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(plane)), spread);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread_plane, bits), bits);  // 0xFF where bit l is set
+    return _mm256_or_si256(bytes, _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(1 << bit))));
+  }
+  static void widen_into(V bytes, int shift_bits, V* v) {  // v[j] |= the bytes of values 8 j .. as int32 << shift
+    const __m128i shift = _mm_cvtsi32_si128(shift_bits);
+    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
+    const __m128i eighths[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int j = 0; j < 4; ++j)
+      v[j] = _mm256_or_si256(v[j], _mm256_sll_epi32(_mm256_cvtepu8_epi32(eighths[j]), shift));
+  }
+};
+#endif
+
+#if defined(__AVX2__)
+// Plane bytes of a block of values v[0..kValues) (each below 2**width): planes[k * stride ..] <- bit k of each, k <
+// width.
+inline void pack_block(const int32_t* v, int64_t width, int64_t stride, uint8_t* planes) {
   for (int b = 0; 8 * b < width; ++b) {
-    const __m512i bytes = byte_of_64(v, b);
+    const PlaneBlocks::V bytes = PlaneBlocks::bytes_of(v, b);
     for (int64_t k = 8 * b; k < std::min<int64_t>(width, 8 * b + 8); ++k) {
-      const uint64_t plane = _mm512_test_epi8_mask(bytes, _mm512_set1_epi8(static_cast<char>(1 << (k - 8 * b))));
-      std::memcpy(planes + k * stride, &plane, 8);
+      const PlaneBlocks::Mask plane = PlaneBlocks::bit_of(bytes, static_cast<int>(k - 8 * b));
+      std::memcpy(planes + k * stride, &plane, sizeof plane);
     }
   }
 }
 
-// The 64 values whose bit k planes[k * stride .. + 8) hold (k < width), values 16 j .. 16 j + 15 in v[j].
-inline void unpack_64_planes(const uint8_t* planes, int64_t width, int64_t stride, __m512i* v) {
-  for (int j = 0; j < 4; ++j) v[j] = _mm512_setzero_si512();
+// The block of values whose bit k planes[k * stride ..] hold (k < width), a quarter of them in each v[j].
+inline void unpack_block(const uint8_t* planes, int64_t width, int64_t stride, PlaneBlocks::V* v) {
+  for (int j = 0; j < 4; ++j) v[j] = PlaneBlocks::zero();
   for (int b = 0; 8 * b < width; ++b) {
-    __m512i bytes = _mm512_setzero_si512();  // byte b of each value
+    PlaneBlocks::V bytes = PlaneBlocks::zero();  // byte b of each value
     for (int64_t k = 8 * b; k < std::min<int64_t>(width, 8 * b + 8); ++k) {
-      uint64_t plane;
-      std::memcpy(&plane, planes + k * stride, 8);
-      bytes = _mm512_mask_mov_epi8(bytes, plane, _mm512_or_si512(bytes, _mm512_set1_epi8(static_cast<char>(
-                                                                             1 << (k - 8 * b)))));
+      PlaneBlocks::Mask plane;
+      std::memcpy(&plane, planes + k * stride, sizeof plane);
+      bytes = PlaneBlocks::with_bit(bytes, plane, static_cast<int>(k - 8 * b));
     }
-    const __m128i shift = _mm_cvtsi32_si128(8 * b);
-    v[0] = _mm512_or_si512(v[0], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(bytes)), shift));
-    v[1] = _mm512_or_si512(v[1], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 1)), shift));
-    v[2] = _mm512_or_si512(v[2], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 2)), shift));
-    v[3] = _mm512_or_si512(v[3], _mm512_sll_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 3)), shift));
+    PlaneBlocks::widen_into(bytes, 8 * b, v);
   }
 }
 #endif
@@ -989,8 +1056,9 @@ inline void unpack_64_planes(const uint8_t* planes, int64_t width, int64_t strid
 inline void pack_tile(int32_t* values, int64_t n, int64_t at, int64_t width, int64_t stride, uint8_t* planes) {
   std::fill(values + n, values + (n + 7) / 8 * 8, 0);
   int64_t q = 0;
-#if defined(__AVX512BW__)
-  for (; 8 * q + 64 <= n; q += 8) pack_64_planes(values + 8 * q, width, stride, planes + at / 8 + q);
+#if defined(__AVX2__)
+  for (; 8 * q + PlaneBlocks::kValues <= n; q += PlaneBlocks::kValues / 8)
+    pack_block(values + 8 * q, width, stride, planes + at / 8 + q);
 #endif
   for (; q < (n + 7) / 8; ++q) pack_8_planes(values + 8 * q, width, stride, planes + at / 8 + q);
 }
@@ -998,11 +1066,11 @@ inline void pack_tile(int32_t* values, int64_t n, int64_t at, int64_t width, int
 // The values [at, at + n) of a row's planes (at a multiple of 8) into values[0..n) (up to 7 more past n).
 inline void unpack_tile(const uint8_t* planes, int64_t at, int64_t n, int64_t width, int64_t stride, int32_t* values) {
   int64_t q = 0;
-#if defined(__AVX512BW__)
-  for (; 8 * q + 64 <= n; q += 8) {
-    __m512i v[4];
-    unpack_64_planes(planes + at / 8 + q, width, stride, v);
-    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(values + 8 * q + 16 * j, v[j]);
+#if defined(__AVX2__)
+  for (; 8 * q + PlaneBlocks::kValues <= n; q += PlaneBlocks::kValues / 8) {
+    PlaneBlocks::V v[4];
+    unpack_block(planes + at / 8 + q, width, stride, v);
+    for (int j = 0; j < 4; ++j) PlaneBlocks::store(values + 8 * q + j * PlaneBlocks::kValues / 4, v[j]);
   }
 #endif
   for (; q < (n + 7) / 8; ++q) unpack_8_planes(planes + at / 8 + q, width, stride, values + 8 * q);
@@ -1058,15 +1126,15 @@ int64_t hvdcomp_sum_planes(const uint8_t* planes, int64_t rows, int64_t row_byte
     return kBadArgument;
   const int64_t stride = plane_stride(n);
   int64_t at = first;
-#if defined(__AVX512BW__)
-  for (; at + 64 <= last; at += 64) {
-    __m512i total[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                        _mm512_setzero_si512()}, v[4];
+#if defined(__AVX2__)
+  for (; at + PlaneBlocks::kValues <= last; at += PlaneBlocks::kValues) {
+    PlaneBlocks::V total[4] = {PlaneBlocks::zero(), PlaneBlocks::zero(), PlaneBlocks::zero(), PlaneBlocks::zero()};
+    PlaneBlocks::V v[4];
     for (int64_t r = 0; r < rows; ++r) {
-      unpack_64_planes(planes + r * row_bytes + at / 8, width, stride, v);
-      for (int j = 0; j < 4; ++j) total[j] = _mm512_add_epi32(total[j], v[j]);
+      unpack_block(planes + r * row_bytes + at / 8, width, stride, v);
+      for (int j = 0; j < 4; ++j) total[j] = PlaneBlocks::add(total[j], v[j]);
     }
-    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(sums + at + 16 * j, total[j]);
+    for (int j = 0; j < 4; ++j) PlaneBlocks::store(sums + at + j * PlaneBlocks::kValues / 4, total[j]);
   }
 #endif
   for (int64_t q = at / 8; q < (last + 7) / 8; ++q) {
