@@ -29,8 +29,13 @@ from pathlib import Path
 
 import torch
 
-from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused
-from hvdcomp.exchange import (
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# this checkout's hvdcomp, not an installed one's: a second checkout times its own code
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "examples")]
+from models import ResNet50  # noqa: E402
+
+from hvdcomp.codec import MaxNormQuantizer, RandomCoordinateSelector, fused  # noqa: E402
+from hvdcomp.exchange import (  # noqa: E402
     FP16,
     AheadMaxNorm,
     ElementwiseCodec,
@@ -40,12 +45,9 @@ from hvdcomp.exchange import (
     PowerSGD,
     Reduction,
 )
-from hvdcomp.exchange.protocol import Exchange, Op, relay
-from hvdcomp.exchange.stats import Traffic, counted
-from hvdcomp.exchange.two_stage import TwoStageMaxNorm
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from models import ResNet50  # noqa: E402
+from hvdcomp.exchange.protocol import Exchange, Op, relay  # noqa: E402
+from hvdcomp.exchange.stats import Traffic, counted  # noqa: E402
+from hvdcomp.exchange.two_stage import TwoStageMaxNorm  # noqa: E402
 
 
 def _fp16(error_feedback: bool = False, sums_float16: bool = False) -> FP16:
