@@ -58,6 +58,13 @@ inline void draw_block(uint64_t j, const Stream& s, float* u) {
   }
 }
 
+// Whether group ends (cumulative: group g is values [ends[g - 1], ends[g])) are in order and within numel values.
+bool ends_within(const int64_t* ends, int64_t groups, int64_t numel) {
+  for (int64_t g = 0, begin = 0; g < groups; begin = ends[g++])
+    if (ends[g] < begin || ends[g] > numel) return false;
+  return true;
+}
+
 // maxima[g] <- the max of maxima[g] and the finite |x_i| of group g (ends cumulative, as fill_factors), for values
 // start .. start + n - 1 at x[0..n); returns whether any of them is NaN or infinite (quantize.local_stats).
 bool group_maxima(const float* x, int64_t start, int64_t n, const int64_t* ends, int64_t groups, float* maxima) {
@@ -1302,9 +1309,7 @@ int64_t hvdcomp_rotate(float* x, int64_t numel, const int64_t* ends, int64_t gro
   if (numel < 0 || groups < 0 || max_block < 1 || max_block > kMaxRotationBlock || (max_block & (max_block - 1)) ||
       (inverse != 0 && inverse != 1) || first < 0 || first > last || last > numel || (groups == 0 && numel != 0))
     return kBadArgument;
-  for (int64_t g = 0; g < groups; ++g)
-    if (ends[g] < (g ? ends[g - 1] : 0) || ends[g] > numel) return kBadArgument;
-  if (groups && ends[groups - 1] != numel) return kBadArgument;
+  if (!ends_within(ends, groups, numel) || (groups && ends[groups - 1] != numel)) return kBadArgument;
   const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
                  static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
   for (int64_t g = std::upper_bound(ends, ends + groups, first) - ends; g < groups; ++g) {
@@ -1394,8 +1399,7 @@ int64_t hvdcomp_clip_excess(const float* x, int64_t numel, const int64_t* ends, 
                             const uint8_t* check, int64_t groups, int64_t capacity, int64_t* indices, float* excess,
                             int64_t* found) {
   if (numel < 0 || groups < 0 || capacity < 0) return kBadArgument;
-  for (int64_t g = 0, begin = 0; g < groups; begin = ends[g++])
-    if (ends[g] < begin || ends[g] > numel) return kBadArgument;
+  if (!ends_within(ends, groups, numel)) return kBadArgument;
   int64_t count = 0;
   for (int64_t g = 0; g < groups; ++g) {
     if (!check[g]) continue;
@@ -1429,8 +1433,7 @@ int64_t hvdcomp_clip_excess(const float* x, int64_t numel, const int64_t* ends, 
 int64_t hvdcomp_local_stats(const float* x, int64_t numel, const int64_t* ends, int64_t groups, int64_t first,
                             int64_t last, float* stats) {
   if (numel < 0 || groups < 0 || first < 0 || first > last || last > numel) return kBadArgument;
-  for (int64_t g = 0, begin = 0; g < groups; begin = ends[g++])
-    if (ends[g] < begin || ends[g] > numel) return kBadArgument;
+  if (!ends_within(ends, groups, numel)) return kBadArgument;
   if (group_maxima(x + first, first, last - first, ends, groups, stats)) stats[groups] = 1.0f;
   return 0;
 }
