@@ -9,6 +9,7 @@ import torch
 from test_native import SIZES, _gradient, _groups, _native_on, build, other_builds, threads  # noqa: F401 (fixtures)
 
 from hvdcomp.codec import carrier, fused, native, native_carrier
+from hvdcomp.codec.pieces import Pieces
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words
 
@@ -49,8 +50,8 @@ def test_float_words_wider_than_52_bits_are_refused():
         quantizer.encode(x, stats, groups, None, 2, 63, rng, out)
     lib, ends, factors = native.library(), torch.tensor([4096]), quantizer.group_units(stats)
     with pytest.raises(ValueError, match="refused"):  # 12 lanes of 5 bits: 60 bits, each word's float64 not exact
-        lib.hvdcomp_encode(x.data_ptr(), 4096, ends.data_ptr(), factors.data_ptr(), 1, 4, 12, 5, rng.data_ptr(), 0,
-                           4096 - 4096 % 192, out.data_ptr(), None, 1)
+        lib.hvdcomp_encode(*Pieces([x]).arguments(), ends.data_ptr(), factors.data_ptr(), 1, 4, 12, 5, rng.data_ptr(),
+                           0, 4096 - 4096 % 192, out.data_ptr(), None, 1)
     assert bool((out == -1.0).all())  # untouched
 
 

@@ -10,6 +10,7 @@ from test_native import _native_on, build, other_builds  # noqa: F401 (fixtures)
 
 from hvdcomp.codec import native, native_excess
 from hvdcomp.codec.agreed import AgreedScales
+from hvdcomp.codec.pieces import Pieces
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.exchange import MaxNormCodec, simulate
 from hvdcomp.exchange.ahead import AheadMaxNorm
@@ -66,8 +67,8 @@ def test_the_kernel_refuses_groups_that_do_not_fit():
     for ends in ([60, 101], [60, 50], [-1, 100]):
         ends = torch.tensor(ends)
         with pytest.raises(ValueError, match="refused"):
-            lib.hvdcomp_clip_excess(values.data_ptr(), 100, ends.data_ptr(), limits.data_ptr(), check.data_ptr(), 2, 4,
-                                    indices.data_ptr(), excess.data_ptr(), found.data_ptr())
+            lib.hvdcomp_clip_excess(*Pieces([values]).arguments(), ends.data_ptr(), limits.data_ptr(), check.data_ptr(),
+                                    2, 4, indices.data_ptr(), excess.data_ptr(), found.data_ptr())
     assert bool((indices == -7).all()) and bool((excess == -7.0).all()) and int(found) == -7  # untouched
     with pytest.raises(ValueError, match="clipping flags"):
         native_excess.clipped_excess(values, torch.tensor([50, 50]), limits, torch.ones(3, dtype=torch.bool))

@@ -16,6 +16,7 @@ import torch
 
 from . import native
 from .native_excess import clipped_excess
+from .pieces import Pieces
 from .quantize import MaxNormQuantizer
 
 
@@ -37,17 +38,23 @@ class AgreedScales:
             return None
         return agreed[2]
 
-    def with_excess(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+    def with_excess(self, key: Hashable, flat: torch.Tensor, pieces: Pieces | None = None) -> torch.Tensor | Pieces:
         """``flat`` plus the excess clipped from ``key``'s earlier exchanges (``flat`` itself when there is
-        none, else a buffer reused every step); ``flat`` is never written."""
+        none, else a buffer reused every step); ``flat`` is never written. With ``pieces`` (the values, which
+        ``flat``, the caller's scratch, does not hold): ``pieces`` when there is no excess, else ``flat`` filled from
+        them plus the excess (one copy)."""
         excess = self._excess.get(key)
         if excess is None or excess[0].numel() == 0:
-            return flat
-        work = self._work.get(key)
-        if work is None or work.numel() != flat.numel() or work.device != flat.device:
-            work = self._work[key] = torch.empty_like(flat)
+            return flat if pieces is None else pieces
+        if pieces is not None:
+            summed = pieces.fill(flat)
+        else:
+            work = self._work.get(key)
+            if work is None or work.numel() != flat.numel() or work.device != flat.device:
+                work = self._work[key] = torch.empty_like(flat)
+            summed = work.copy_(flat)
         indices, values = excess
-        return work.copy_(flat).index_add_(0, indices.to(flat.device), values.to(flat.device))
+        return summed.index_add_(0, indices.to(flat.device), values.to(flat.device))
 
     def agree(self, key: Hashable, numel: int, world_size: int, reduced: torch.Tensor) -> bool:
         """Record the MAX-reduced ``local_stats`` of ``key``'s exchange as its next agreed scale; after a
@@ -61,16 +68,17 @@ class AgreedScales:
         return True
 
     @staticmethod
-    def clipped(values: torch.Tensor, local: torch.Tensor, scale_stats: torch.Tensor,
+    def clipped(values: torch.Tensor | Pieces, local: torch.Tensor, scale_stats: torch.Tensor,
                 groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 indices, float32 excess beyond the agreed scale) of the elements of flat ``values`` above
-        it; ``local`` is ``values``'s own ``local_stats``, ``scale_stats`` the agreed ones, over ``groups``."""
+        """(int64 indices, float32 excess beyond the agreed scale) of the elements of flat ``values`` (or its
+        ``Pieces``, read natively) above it; ``local`` is ``values``'s own ``local_stats``, ``scale_stats`` the agreed
+        ones, over ``groups``."""
         scales = scale_stats[:-1]
         over = local[:-1] > scales
         if not bool(over.any()):
-            return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
-        if native.usable(values):  # one read of the groups that clipped (docs/benchmarks.md#the-clipped-excess)
-            return clipped_excess(values, groups, scales, over)
+            return torch.empty(0, dtype=torch.int64, device=local.device), local.new_empty(0)
+        if isinstance(values, Pieces) or native.usable(values):  # one read of the groups that clipped
+            return clipped_excess(values, groups, scales, over)  # (docs/benchmarks.md#the-clipped-excess)
         limit = scales if groups.numel() <= 1 else scales.repeat_interleave(groups.to(values.device))
         indices = (values.abs() > limit.expand_as(values)).nonzero().squeeze(1)
         picked = values[indices]

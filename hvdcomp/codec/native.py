@@ -12,9 +12,8 @@ what the eager reference computes (``hvdcomp.codec.quantize``, ``hvdcomp.codec.o
 (O(1) checks, before the ctypes call) and raises ``ValueError`` otherwise; each kernel also refuses sizes that cannot
 be right (a nonzero status, raised as ``ValueError`` too) and reads and writes only within the sizes it is given.
 
-**Build.** ``hvdcomp.codec.native_build`` compiles and loads the library at first use, from a private per-user cache
-only (its docstring); a compile or load failure falls back like any fused kernel (``hvdcomp.codec.fused.fail``: one
-warning, eager from then on).
+**Build.** ``native_build`` compiles and loads the library at first use, from a private per-user cache only (its
+docstring); a compile or load failure falls back like any fused kernel (``fused.fail``: one warning, then eager).
 
 **When.** On CPU tensors, while fused kernels are enabled (``HVDCOMP_FUSED``, ``fused.eager()``), unless
 ``HVDCOMP_NATIVE=0``; elsewhere (GPU: Triton) the ``torch.compile`` kernels run. Work splits over the torch threads
@@ -41,6 +40,7 @@ from .native_build import declare as declare
 from .native_build import library_path as library_path
 from .native_build import load
 from .packing import LANE_BLOCK_WORDS, lane_block_values, lane_block_words
+from .pieces import Pieces
 from .random import OUTPUTS_PER_BLOCK
 from .validate import check_groups, group_total
 
@@ -159,23 +159,23 @@ def _output(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Te
     return torch.empty(size, dtype=dtype) if out is None else out
 
 
-def encode(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, lanes: int, width: int,
+def encode(x: torch.Tensor | Pieces, groups: torch.Tensor, factors: torch.Tensor, coarse: int, lanes: int, width: int,
            rng: torch.Tensor, out: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[lane_block_words(numel, lanes)]`` (into ``out`` if given; a float64 ``out``, for a float carrier, gets
     each word's value as float64: ``lanes * width <= 52``): ``quantize``'s encode words of flat float32 ``x``
-    (``usable``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng`` the stream words;
-    ``stats`` (float32 ``[len(groups) + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass."""
+    (``usable``; or its ``Pieces``), ``factors[g]`` = ``s / M`` of group ``g`` (int64 ``groups``: lengths), ``rng``
+    the stream words; ``stats`` (float32 ``[G + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass."""
     float_words = out is not None and out.dtype == torch.float64
     _check_lanes(lanes, width, 52 if float_words else 64)
-    numel = _checked("x", x, torch.float32).numel()
-    ends, factors, _ = _groups(groups, factors, numel)
+    x = Pieces.of(x)
+    ends, factors, _ = _groups(groups, factors, x.numel)
     rng = _stream(rng)
-    out = _output(out, lane_block_words(numel, lanes), torch.float64 if float_words else torch.int64)
+    out = _output(out, lane_block_words(x.numel, lanes), torch.float64 if float_words else torch.int64)
     stats = None if stats is None else _output(stats, ends.numel() + 1, torch.float32)
 
     def run(first: int, last: int) -> torch.Tensor | None:  # this range's statistics, zeroed first (all: stats)
         part = None if stats is None else stats if last - first == out.numel() * lanes else torch.empty_like(stats)
-        _Library.handle.hvdcomp_encode(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
+        _Library.handle.hvdcomp_encode(*x.arguments(), ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
                                        lanes, width, rng.data_ptr(), first, last, out.data_ptr(),
                                        None if part is None else part.zero_().data_ptr(), int(float_words))
         return part

@@ -39,6 +39,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-st
 SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
 _POINTER, _INT, _FLOAT, _DOUBLE = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+_PIECES = (_POINTER, _POINTER, _INT, _INT)  # a flat vector in pieces (codec.pieces): pointers, ends, count, numel
 
 
 def compiler() -> str:
@@ -127,7 +128,7 @@ def _check_status(status: int, function: Any, args: tuple) -> int:
 
 
 _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for arguments that cannot be right)
-    "hvdcomp_encode": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER,
+    "hvdcomp_encode": [*_PIECES, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _POINTER, _INT, _INT, _POINTER,
                        _POINTER, _INT],
     "hvdcomp_decode": [_POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_uniform": [_POINTER, _INT, _INT, _POINTER],
@@ -143,7 +144,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_unpack_lanes": [_POINTER, _INT, _INT, _INT, _POINTER],
     "hvdcomp_lane_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_counts_mean": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER],
-    "hvdcomp_encode_planes": [_POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _INT,
+    "hvdcomp_encode_planes": [*_PIECES, _POINTER, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _INT,
                               _POINTER, _POINTER],
     "hvdcomp_sum_planes": [_POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER],
     "hvdcomp_requantize_planes": [_POINTER, _INT, _INT, _INT, _INT, _FLOAT, _POINTER, _INT, _INT, _POINTER],
@@ -154,7 +155,7 @@ _SIGNATURES = {  # each kernel's argument types (each returns 0, or -1 for argum
     "hvdcomp_birder_update": [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
     "hvdcomp_half_mean": [_POINTER, _INT, _INT, _FLOAT, _INT, _INT, _POINTER, _POINTER],
     "hvdcomp_carrier_sums": [_POINTER, _INT, _DOUBLE, _INT, _INT, _POINTER],
-    "hvdcomp_clip_excess": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER],
+    "hvdcomp_clip_excess": [*_PIECES, _POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER],
     "hvdcomp_local_stats": [_POINTER, _INT, _POINTER, _INT, _INT, _INT, _POINTER],
 }
 

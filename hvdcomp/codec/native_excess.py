@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from .native import _checked, _groups, _Library
+from .native import _groups, _Library
+from .pieces import Pieces
 
 FIRST_CAPACITY = 4096  # excess entries the first call has room for; more take a second call of the exact size
 
 
-def clipped_excess(values: torch.Tensor, groups: torch.Tensor, scales: torch.Tensor,
+def clipped_excess(values: torch.Tensor | Pieces, groups: torch.Tensor, scales: torch.Tensor,
                    over: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int64 indices, ascending; float32 ``x - clamp(x, -s, s)``) of the elements ``x`` of flat float32 ``values``
-    (contiguous, CPU) above their group's scale ``s`` in magnitude: ``scales`` float32 ``[G]``, ``groups`` int64
-    lengths ``[G]`` splitting ``values``. Only the groups where ``over`` (bool ``[G]``) is set are read: a group
-    none of whose values is above its scale may be left unset."""
-    numel = _checked("the values", values, torch.float32).numel()
-    ends, limits, _ = _groups(groups, scales, numel)
+    (contiguous, CPU; or its ``Pieces``) above their group's scale ``s`` in magnitude: ``scales`` float32 ``[G]``,
+    ``groups`` int64 lengths ``[G]`` splitting ``values``. Only the groups where ``over`` (bool ``[G]``) is set are
+    read: a group none of whose values is above its scale may be left unset."""
+    values = Pieces.of(values)
+    ends, limits, _ = _groups(groups, scales, values.numel)
     check = over.to("cpu", torch.uint8).contiguous()
     if check.shape != ends.shape:
         raise ValueError(f"{check.numel()} clipping flags for {ends.numel()} scale groups")
@@ -31,7 +32,7 @@ def clipped_excess(values: torch.Tensor, groups: torch.Tensor, scales: torch.Ten
     capacity = FIRST_CAPACITY
     while True:
         indices, excess = torch.empty(capacity, dtype=torch.int64), torch.empty(capacity, dtype=torch.float32)
-        _Library.handle.hvdcomp_clip_excess(values.data_ptr(), numel, ends.data_ptr(), limits.data_ptr(),
+        _Library.handle.hvdcomp_clip_excess(*values.arguments(), ends.data_ptr(), limits.data_ptr(),
                                             check.data_ptr(), ends.numel(), capacity, indices.data_ptr(),
                                             excess.data_ptr(), found.data_ptr())
         count = int(found)

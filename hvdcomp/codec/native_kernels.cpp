@@ -65,6 +65,32 @@ bool ends_within(const int64_t* ends, int64_t groups, int64_t numel) {
   return true;
 }
 
+// A flat vector's values held as pieces one after another (a bucket's gradients, read in place: no copy into a flat
+// buffer): piece p holds values [ends[p - 1], ends[p]) at data[p]; a flat tensor is one piece.
+struct Pieces {
+  const float* const* data;
+  const int64_t* ends;  // cumulative
+  int64_t count;
+
+  // Whether the ends are in order and end at numel (no piece: numel 0).
+  bool fit(int64_t numel) const { return ends_within(ends, count, numel) && (count ? ends[count - 1] : 0) == numel; }
+
+  // Values [start, start + n) (within the pieces): where one piece holds them all, a pointer into it; else gathered
+  // into scratch (room for n values), which is returned.
+  const float* span(int64_t start, int64_t n, float* scratch) const {
+    int64_t p = std::upper_bound(ends, ends + count, start) - ends;  // the piece that holds value start
+    if (n <= 0) return scratch;
+    int64_t begin = p ? ends[p - 1] : 0;
+    if (start + n <= ends[p]) return data[p] + (start - begin);
+    for (int64_t at = start; at < start + n; begin = ends[p++]) {
+      const int64_t stop = std::min(ends[p], start + n);
+      std::copy(data[p] + (at - begin), data[p] + (stop - begin), scratch + (at - start));
+      at = stop;
+    }
+    return scratch;
+  }
+};
+
 // maxima[g] <- the max of maxima[g] and the finite |x_i| of group g (ends cumulative, as fill_factors), for values
 // start .. start + n - 1 at x[0..n); returns whether any of them is NaN or infinite (quantize.local_stats).
 bool group_maxima(const float* x, int64_t start, int64_t n, const int64_t* ends, int64_t groups, float* maxima) {
@@ -567,17 +593,20 @@ int64_t hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, f
   return 0;
 }
 
-// Words of values [first, last) (whole lane blocks; values past numel are lane value 0) into out[first / L ..):
+// Words of values [first, last) of the pieces (x: numel values, as Pieces holds them; whole lane blocks; values past
+// numel are lane value 0) into out[first / L ..):
 // value i's lane holds sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse, f_i its group's coarse / M and
 // U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager). With stats (not null,
 // groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite |x_i| of group g among those values),
 // and stats[groups] <- 1 where one of them is NaN or infinite (quantize.local_stats). With float_words (nonzero; words
 // of at most 52 bits) each word is written as the float64 of its value, for a float carrier (hvdcomp/codec/carrier.py).
-int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
-                    int64_t coarse, int64_t lanes, int64_t width, const int64_t* stream_words, int64_t first,
-                    int64_t last, int64_t* out, float* stats, int64_t float_words) {
-  if (numel < 0 || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes) ||
-      (float_words && lanes * width > kFloatWordBits)) return kBadArgument;
+int64_t hvdcomp_encode(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count, int64_t numel,
+                       const int64_t* ends, const float* group_factors, int64_t groups, int64_t coarse, int64_t lanes,
+                       int64_t width, const int64_t* stream_words, int64_t first, int64_t last, int64_t* out,
+                       float* stats, int64_t float_words) {
+  const Pieces x{pieces, piece_ends, piece_count};
+  if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) ||
+      !whole_blocks(first, last, lanes) || (float_words && lanes * width > kFloatWordBits)) return kBadArgument;
   const int64_t chunk = chunk_values(lanes);
   const float limit = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
@@ -585,11 +614,7 @@ int64_t hvdcomp_encode(const float* x, int64_t numel, const int64_t* ends, const
   alignas(32) int32_t values[kChunk];
   for (int64_t start = first; start < last; start += chunk) {
     const int64_t n = std::min(chunk, last - start), valid = std::max<int64_t>(0, std::min(n, numel - start));
-    const float* xs = x + start;
-    if (valid < n) {  // the last, partial lane block: read no further than numel
-      std::copy(xs, xs + valid, padded);
-      xs = padded;
-    }
+    const float* xs = x.span(start, valid, padded);  // the last, partial lane block: no further than numel
     hvdcomp_uniform(stream_words, start, n, noise);
 #if defined(__AVX2__)
     // a whole chunk of one group (most of them): one pass, no per-value factors (docs/benchmarks.md#the-encode-kernel)
@@ -1087,23 +1112,27 @@ inline void unpack_tile(const uint8_t* planes, int64_t at, int64_t n, int64_t wi
 
 extern "C" {
 
-// Stage one of the two-stage exchange for rows [row_first, row_last): row r holds values r chunk .. (r + 1) chunk - 1,
+// Stage one of the two-stage exchange for rows [row_first, row_last) of the pieces' numel values (x, as Pieces holds
+// them): row r holds values r chunk .. (r + 1) chunk - 1,
 // value i as sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse (coarse past numel), f_i its group's coarse / M
 // and U_i the rounding stream's uniform i (quantize.quantize_levels, two_stage.stage_one_message), in planes at
 // out + r row_bytes. With stats (not null, groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite
 // |x_i| of group g among the rows' values), stats[groups] <- 1 where one of them is NaN or infinite (local_stats).
-int64_t hvdcomp_encode_planes(const float* x, int64_t numel, const int64_t* ends, const float* group_factors,
-                              int64_t groups, int64_t coarse, int64_t width, const int64_t* stream_words, int64_t chunk,
+int64_t hvdcomp_encode_planes(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count,
+                              int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
+                              int64_t coarse, int64_t width, const int64_t* stream_words, int64_t chunk,
                               int64_t row_first, int64_t row_last, int64_t row_bytes, uint8_t* out, float* stats) {
-  if (numel < 0 || groups < 0 || coarse < 0 || !planes_fit(width) || 2 * coarse >= (int64_t{1} << width) ||
-      chunk < 0 || row_first < 0 || row_first > row_last || row_bytes < width * plane_stride(chunk))
+  const Pieces x{pieces, piece_ends, piece_count};
+  if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || coarse < 0 || !planes_fit(width) ||
+      2 * coarse >= (int64_t{1} << width) || chunk < 0 || row_first < 0 || row_first > row_last ||
+      row_bytes < width * plane_stride(chunk))
     return kBadArgument;
   const Stream s{static_cast<uint32_t>(stream_words[0]), static_cast<uint32_t>(stream_words[1]),
                  static_cast<uint32_t>(stream_words[2]), static_cast<uint32_t>(stream_words[3])};
   const float limit = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
   const int64_t stride = plane_stride(chunk);
-  alignas(32) float noise[kChunk + 64], factors[kChunk];
+  alignas(32) float noise[kChunk + 64], factors[kChunk], gathered[kChunk];
   alignas(32) int32_t values[kChunk + 8];
   for (int64_t r = row_first; r < row_last; ++r)
     for (int64_t at = 0; at < chunk; at += kChunk) {
@@ -1111,7 +1140,7 @@ int64_t hvdcomp_encode_planes(const float* x, int64_t numel, const int64_t* ends
       const int64_t valid = std::max<int64_t>(0, std::min(n, numel - start)), skip = start % 8;
       draw(start - skip, (skip + n + 7) / 8 * 8, s, noise);
       fill_factors(start, valid, ends, group_factors, groups, factors);
-      const float* xs = x + start;
+      const float* xs = x.span(start, valid, gathered);
       if (stats != nullptr && group_maxima(xs, start, valid, ends, groups, stats)) stats[groups] = 1.0f;
       for (int64_t i = 0; i < valid; ++i) {
         float level = std::floor(std::fabs(xs[i]) * factors[i] + noise[skip + i]);
@@ -1391,15 +1420,18 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
   return 0;
 }
 
-// The clipped excess (agreed.AgreedScales.clipped) in the groups g of x with check[g] nonzero (group g: values
-// [ends[g - 1], ends[g]), cumulative, within numel): each value above its group's limit in magnitude, in ascending
-// order, as its index in indices[k] and x_i - clamp(x_i, -limit, limit) in excess[k] for k < capacity; *found <- how
-// many there are, written or not. A block of 16 values none of which is above the limit is read once, no branch each.
-int64_t hvdcomp_clip_excess(const float* x, int64_t numel, const int64_t* ends, const float* limits,
-                            const uint8_t* check, int64_t groups, int64_t capacity, int64_t* indices, float* excess,
-                            int64_t* found) {
-  if (numel < 0 || groups < 0 || capacity < 0) return kBadArgument;
+// The clipped excess (agreed.AgreedScales.clipped) in the groups g of the pieces' numel values (x, as Pieces holds
+// them) with check[g] nonzero (group g: values [ends[g - 1], ends[g]), cumulative, within numel): each value above its
+// group's limit in magnitude, in ascending order, as its index in indices[k] and x_i - clamp(x_i, -limit, limit) in
+// excess[k] for k < capacity; *found <- how many there are, written or not. A block of 16 values none of which is
+// above the limit is read once, no branch each.
+int64_t hvdcomp_clip_excess(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count, int64_t numel,
+                            const int64_t* ends, const float* limits, const uint8_t* check, int64_t groups,
+                            int64_t capacity, int64_t* indices, float* excess, int64_t* found) {
+  const Pieces x{pieces, piece_ends, piece_count};
+  if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || capacity < 0) return kBadArgument;
   if (!ends_within(ends, groups, numel)) return kBadArgument;
+  alignas(32) float gathered[16];
   int64_t count = 0;
   for (int64_t g = 0; g < groups; ++g) {
     if (!check[g]) continue;
@@ -1407,16 +1439,17 @@ int64_t hvdcomp_clip_excess(const float* x, int64_t numel, const int64_t* ends, 
     const int64_t end = ends[g];
     for (int64_t start = g ? ends[g - 1] : 0; start < end; start += 16) {
       const int64_t n = std::min<int64_t>(16, end - start);
+      const float* xs = x.span(start, n, gathered);
       if (n == 16) {
         bool any = false;
-        for (int64_t j = 0; j < 16; ++j) any |= std::fabs(x[start + j]) > limit;
+        for (int64_t j = 0; j < 16; ++j) any |= std::fabs(xs[j]) > limit;
         if (!any) continue;
       }
-      for (int64_t i = start; i < start + n; ++i) {
-        const float v = x[i];
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = xs[j];
         if (!(std::fabs(v) > limit)) continue;
         if (count < capacity) {
-          indices[count] = i;
+          indices[count] = start + j;
           excess[count] = v - std::clamp(v, -limit, limit);
         }
         ++count;

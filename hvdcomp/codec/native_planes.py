@@ -12,6 +12,7 @@ import torch
 
 from .native import OUTPUTS_PER_BLOCK, _checked, _groups, _in_parallel, _Library, _output, _stream, _whole_blocks
 from .packing import plane_bytes
+from .pieces import Pieces
 
 MAX_PLANE_WIDTH = 24  # native_kernels.cpp's kMaxPlaneWidth
 
@@ -28,15 +29,16 @@ def _plane_rows(name: str, rows: torch.Tensor, header: int, numel: int, width: i
     return count, size
 
 
-def encode_planes(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, coarse: int, width: int,
+def encode_planes(x: torch.Tensor | Pieces, groups: torch.Tensor, factors: torch.Tensor, coarse: int, width: int,
                   rng: torch.Tensor, chunk: int, out: torch.Tensor, header: int,
                   stats: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` (contiguous uint8 ``[rows, bytes]``, CPU; ``rows * chunk >= numel``) <- after each row's first
     ``header`` bytes, the ``width`` bit planes (``packing.pack_planes``) of row ``r``'s levels: ``quantize_levels``
-    of flat float32 ``x`` (``usable``) for elements ``r chunk ..`` plus ``coarse`` (``coarse`` past ``numel``);
-    ``factors[g]`` = ``s / M`` of group ``g``, ``rng`` the stream words; ``stats`` (float32 ``[len(groups) + 1]``) if
-    given <- ``quantize.local_stats(x, groups)``, same pass. Returns ``out``."""
-    numel = _checked("x", x, torch.float32).numel()
+    of flat float32 ``x`` (``usable``; or its ``Pieces``) for elements ``r chunk ..`` plus ``coarse`` (``coarse`` past
+    ``numel``); ``factors[g]`` = ``s / M`` of group ``g``, ``rng`` the stream words; ``stats`` (float32
+    ``[len(groups) + 1]``) if given <- ``quantize.local_stats(x, groups)``, same pass. Returns ``out``."""
+    x = Pieces.of(x)
+    numel = x.numel
     rows, size = _plane_rows("the stage-one rows", out, header, chunk, width)
     if rows * chunk < numel or 2 * coarse >= 1 << width:
         raise ValueError(f"{rows} rows of {chunk} values of {width} bits do not hold {numel} levels in "
@@ -48,7 +50,7 @@ def encode_planes(x: torch.Tensor, groups: torch.Tensor, factors: torch.Tensor, 
 
     def run(lo: int, hi: int) -> torch.Tensor | None:  # this range's statistics, zeroed first (all rows: stats)
         part = None if stats is None else stats if hi - lo == rows * chunk else torch.empty_like(stats)
-        lib.hvdcomp_encode_planes(x.data_ptr(), numel, ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
+        lib.hvdcomp_encode_planes(*x.arguments(), ends.data_ptr(), factors.data_ptr(), ends.numel(), coarse,
                                   width, rng.data_ptr(), chunk, lo // chunk, hi // chunk, size, out.data_ptr() + header,
                                   None if part is None else part.zero_().data_ptr())
         return part

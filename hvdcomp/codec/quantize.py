@@ -17,9 +17,8 @@ all-zero or vanishingly small group), so ``s / M`` is finite and the levels stay
 factors (``s / M`` to encode, ``M / (s W)`` to decode) are computed once per group: the kernels multiply.
 ``U`` is element ``i``'s draw of the counter-based stream whose words the caller passes (seed, rank, key, step).
 
-Steps 2 and 3 and the decode each run as one fused kernel (``hvdcomp.codec.fused``: scaling, rounding with
-the in-kernel random draw, sign, offset and lane packing in one pass; unpack, offset and scale to the mean
-in another, over whole words); the module-level functions below are their eager reference.
+Steps 2 and 3 and the decode each run as one fused kernel (``hvdcomp.codec.fused``: scale, draw, round, sign, offset
+and pack in one pass; unpack, offset and scale in another); the module-level functions below are their eager reference.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from .packing import (
     pack_lane_blocks,
     pack_lanes,
 )
+from .pieces import Pieces
 from .random import uniform
 from .recycle import ResultBuffers
 from .validate import check_bits, check_groups, check_int, check_stats
@@ -259,33 +259,28 @@ class MaxNormQuantizer:
         units = self._encode_units(scale_stats, groups, agreed, x.numel())
         return _signed_levels(x.reshape(-1), units, self.coarse_levels, rng.to(x.device))
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        scale_stats: torch.Tensor,
-        groups: torch.Tensor,
-        agreed: torch.Tensor | None,
-        world_size: int,
-        word_bits: int = INT64_WORD_BITS,
-        rng: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        local_out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def encode(self, x: torch.Tensor | Pieces, scale_stats: torch.Tensor, groups: torch.Tensor,
+               agreed: torch.Tensor | None, world_size: int, word_bits: int = INT64_WORD_BITS,
+               rng: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               local_out: torch.Tensor | None = None) -> torch.Tensor:
         """int64 ``[packing.lane_block_words(numel, L)]`` words of this worker's signed levels (finite ``x`` only)
         in ``payload_layout``'s lanes, in the blocked order (``packing.pack_lane_blocks``). Reduce with SUM.
 
         ``rng``: the int64 ``[4]`` stream words of ``hvdcomp.codec.random.stream_words`` (required);
         element ``i`` rounds with the stream's uniform ``i``. With ``out`` (contiguous, that size: int64, or float64
         for a float carrier) the words go there and it is returned (native kernels write it, others copy). ``local_out``
-        (float32 ``[len(groups) + 1]``) receives ``local_stats(x, groups)``: natively in the encode's pass."""
+        (float32 ``[len(groups) + 1]``) receives ``local_stats(x, groups)``: natively in the encode's pass. ``x`` may be
+        ``Pieces`` (``hvdcomp.codec.pieces``) where the native kernels run, at one resolution without ``agreed``."""
         if rng is None:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
-        x, rng, coarse = x.reshape(-1), rng.to(x.device), self.coarse_levels
-        check_stats(scale_stats, groups, x.numel())
-        layout = self.payload_layout(world_size, word_bits)
-        if agreed is None and not self.multiscale and native.usable(x):
+        if isinstance(x, Pieces) and (agreed is not None or self.multiscale):
+            raise ValueError("pieces are encoded natively: at one resolution, without agreed resolutions")
+        layout, coarse = self.payload_layout(world_size, word_bits), self.coarse_levels
+        check_stats(scale_stats, groups, x.numel if isinstance(x, Pieces) else x.numel())
+        if isinstance(x, Pieces) or (agreed is None and not self.multiscale and native.usable(x)):
             return native.encode(x, groups, self.group_units(scale_stats), coarse, layout.lanes_per_word,
                                  layout.lane_width, rng, out, local_out)
+        x, rng = x.reshape(-1), rng.to(x.device)
         if local_out is not None:
             local_out.copy_(self.local_stats(x, groups))
         units = self._encode_units(scale_stats, groups, agreed, x.numel())

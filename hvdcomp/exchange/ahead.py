@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
-from ..codec import carrier
+from ..codec import carrier, native
 from ..codec.agreed import AgreedScales
 from ..codec.packing import INT64_WORD_BITS, lane_block_words
+from ..codec.pieces import Pieces, as_vector
 from .bucket import ElementwiseCodec, Segments
 from .elementwise import MaxNormCodec, warn_nonfinite
 from .protocol import Exchange, Op, last, relay
@@ -57,6 +58,7 @@ class AheadMaxNorm(ElementwiseCodec):
 
     bucket_mb = 8.0
     takes_out = True  # the decode writes the mean there (docs/benchmarks.md#the-codec-in-situ)
+    reads_pieces = True  # the encode reads gradients in place (docs/benchmarks.md#the-gradients-read-where-they-lie)
     scale_share = 64  # statistics rows ride in the payload while at most 1/scale_share of its words
 
     def __init__(self, inner: MaxNormCodec) -> None:
@@ -94,27 +96,33 @@ class AheadMaxNorm(ElementwiseCodec):
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
                  word_bits: int = INT64_WORD_BITS, carrier_bits: int | None = None,
-                 out: torch.Tensor | None = None) -> Exchange:
-        """See ``ElementwiseCodec.exchange`` (``out``: where the mean goes, ``takes_out``); ``key`` keys the agreed
-        scale and the excess memory. ``word_bits``: the usable bits of the exact exchange's payload words.
+                 out: torch.Tensor | None = None, pieces: Pieces | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange`` (``out``: where the mean goes, ``takes_out``; ``pieces``: the values, read
+        in place by the encode of an agreed scale, ``reads_pieces``); ``key`` keys the agreed scale and the excess
+        memory. ``word_bits``: the usable bits of the exact exchange's payload words.
         ``carrier_bits``: with an agreed scale, the payload request is a float carrier without its header
         (``hvdcomp.codec.carrier``): float64 ``[carrier.HEADER + words + rows]``, words of that many bits and the
         statistics rows as float64 integers after ``carrier.HEADER`` elements left to ``carrier.seal``; the reply is
         their exact int64 sums (``carrier.unwrap``: ``[words + rows]``), and no request follows it. Default: int64
         words, the rows as ``scale_rows`` says, the reply the same shape."""
         layout = Segments.of(segments, key)
-        if sum(layout) != flat.numel() or (out is not None and out.shape != flat.shape):
+        if (sum(layout) != flat.numel() or (out is not None and out.shape != flat.shape)
+                or (pieces is not None and pieces.numel != flat.numel())):
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat (and "
-                             f"out, if given: {None if out is None else tuple(out.shape)})")
-        return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits, out)
+                             f"out, if given: {None if out is None else tuple(out.shape)}; pieces, if given: "
+                             f"{None if pieces is None else pieces.numel} values)")
+        return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits, out, pieces)
 
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
-                  word_bits: int, carrier_bits: int | None, out: torch.Tensor | None) -> Exchange:
+                  word_bits: int, carrier_bits: int | None, out: torch.Tensor | None,
+                  pieces: Pieces | None) -> Exchange:
         memory, quantizer = self.memory, self.inner.quantizer
         numel = flat.numel()
-        values = memory.with_excess(key, flat)
+        values = memory.with_excess(key, flat, pieces)  # pieces only where nothing is added to them
         groups = quantizer.scale_groups(numel, layout)
         scale_stats = memory.scales(key, numel, world_size, groups.numel())
+        if scale_stats is None or self.inner.rotation is not None or not native.usable(flat):  # the vector itself
+            values = as_vector(values, flat)
         if scale_stats is None:
             def seed(op: Op, reduced: torch.Tensor) -> torch.Tensor:
                 if op is Op.MAX and memory.agree(key, numel, world_size, reduced):
@@ -142,7 +150,7 @@ class AheadMaxNorm(ElementwiseCodec):
         quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words], local)
         finite = not quantizer.saw_nonfinite(local)
         if not finite:  # encoded again without them: what every worker sends is of no use then, but well defined
-            values = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+            values = torch.nan_to_num(as_vector(values, flat), nan=0.0, posinf=0.0, neginf=0.0)
             quantizer.encode(values, scale_stats, groups, None, world_size, word_bits, rounding, payload[:words])
         excess = memory.clipped(values, local, scale_stats, groups) if finite else None
         if excess is not None and rotation is not None and excess[0].numel():  # the memory is of unrotated values

@@ -119,6 +119,7 @@ class ElementwiseCodec(BucketCodec):
     """A codec over the bucket's flat float32 vector (see the module docstring)."""
 
     takes_out: bool = False  # whether ``exchange`` takes ``out=`` (see ``exchange``)
+    reads_pieces: bool = False  # whether ``exchange`` takes ``pieces=`` (see ``exchange``)
 
     def flat_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the flat vector this codec exchanges for gradients of ``dtype``. Default float32: codecs
@@ -134,7 +135,10 @@ class ElementwiseCodec(BucketCodec):
         next exchange of ``key`` (a codec may reuse its buffer: ``MaxNormCodec`` with a selector; copy what you
         keep longer). A codec that declares ``takes_out`` also takes ``out=``: where the caller wants the mean
         (``[n]`` of ``flat``'s dtype, the caller's, e.g. ``flat`` itself once it is read), and writes it there in its
-        last pass, saving the caller a copy (``NoCompression``, ``FP16``, ``BF16``).
+        last pass, saving the caller a copy (``NoCompression``, ``FP16``, ``BF16``). A codec that declares
+        ``reads_pieces`` also takes ``pieces=``: the values as ``hvdcomp.codec.pieces.Pieces`` (the caller's gradients,
+        read in place, never written; ``flat`` is then not filled, but the codec's to write, e.g. to fill it from them
+        where it needs the vector itself), saving the caller the copy into ``flat`` (``AheadMaxNorm``).
 
         The call may check the configuration against ``segments`` (every worker alike, before any
         collective); ``flat``'s values are read only once the exchange runs (a hierarchical exchange

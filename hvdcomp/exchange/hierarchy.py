@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from ..codec.pieces import Pieces
 from .bucket import BucketCodec, ElementwiseCodec, Segments
 from .protocol import Exchange, Op, Topology, relay
 
@@ -111,17 +112,23 @@ def hierarchical_tensors(
 
 
 def bucket_exchange(codec: BucketCodec, flat: torch.Tensor, grads: Sequence[torch.Tensor], key: Hashable, step: int,
-                    topology: Topology, hierarchical: bool, out: torch.Tensor | None = None) -> Exchange:
+                    topology: Topology, hierarchical: bool, out: torch.Tensor | None = None,
+                    pieces: Pieces | None = None) -> Exchange:
     """One bucket's exchange with ``codec``, hierarchical or over all ``topology.size`` workers.
 
     An ``ElementwiseCodec`` exchanges ``flat`` (float32, ``grads`` concatenated, filled by the caller;
     scratch when hierarchical) and returns the flat mean; a ``TensorCodec`` exchanges ``grads`` and returns
-    the list of means. ``out``: where the flat mean should go, for a codec that ``takes_out`` (over all workers
-    only; ``ElementwiseCodec.exchange``)."""
+    the list of means. ``out``: where the flat mean should go, for a codec that ``takes_out``; ``pieces``: ``grads``
+    as ``Pieces``, for a codec that ``reads_pieces``, ``flat`` then unfilled scratch (over all workers only;
+    ``ElementwiseCodec.exchange``)."""
     t = topology
+    if pieces is not None and (hierarchical or not isinstance(codec, ElementwiseCodec) or not codec.reads_pieces):
+        raise ValueError("pieces go to an element-wise codec that reads them (reads_pieces), over all workers")
     if isinstance(codec, ElementwiseCodec):
         sizes = [g.numel() for g in grads]
         if not hierarchical:
+            if pieces is not None:
+                return codec.exchange(flat, sizes, key, step, t.size, pieces=pieces)
             if out is not None and codec.takes_out:
                 return codec.exchange(flat, sizes, key, step, t.size, out=out)
             return codec.exchange(flat, sizes, key, step, t.size)

@@ -5,8 +5,9 @@ ready (``launch``) and where its means go (``deliver``); the runner does the res
 
 - **launching**: the step's codec (``NoCompression`` during warm-up, ``hvdcomp.exchange.state``) gets the
   bucket's gradients (element-wise codecs: copied into the bucket's persistent flat buffer, zeros for a missing
-  gradient), its exchange (flat or hierarchical, ``hierarchy.bucket_exchange``) runs to its first request, and
-  that collective starts at once;
+  gradient; to a codec that reads them in place, ``reads_pieces``, as ``Pieces`` where the native kernels take each
+  of them, over all workers), its exchange (flat or hierarchical, ``hierarchy.bucket_exchange``) runs to its first
+  request, and that collective starts at once;
 - **advancing**: ``progress()`` (called from every event of the entry point, e.g. each gradient hook) and
   ``finish()`` advance exchanges as their collectives complete, by the transport's ordering:
 
@@ -44,6 +45,8 @@ from typing import Any
 
 import torch
 
+from ..codec import native
+from ..codec.pieces import Pieces
 from .bucket import ElementwiseCodec
 from .hierarchy import bucket_exchange
 from .plan import Bucket
@@ -152,19 +155,20 @@ class Runner:
         started = time.perf_counter()
         codec = state.step_codec()
         self.stats.last_step.uncompressed_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
-        flat = in_place = None
+        flat = in_place = pieces = None
         if isinstance(codec, ElementwiseCodec):
             flat_dtype = codec.flat_dtype(bucket.dtype)
             flat = in_place = consecutive_span(grads, flat_dtype) if scratch else None
             if flat is None:
                 flat = bucket.flat(flat_dtype)
-                inputs: list[Any] = fill_flat(flat, grads, bucket.sizes)
+                pieces = self._pieces(codec, grads)
+                inputs: list[Any] = list(grads) if pieces is not None else fill_flat(flat, grads, bucket.sizes)
             else:  # the gradients are views of flat already
                 inputs = list(grads)
         else:
             inputs = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, bucket.params)]
         exchange = bucket_exchange(codec, flat, inputs, bucket.key, state.step, self.transport, self.hierarchical,
-                                   in_place)
+                                   in_place, pieces)
         kept = flat is not None and not codec.reuses_result
 
         def write_back(result: Any) -> None:
@@ -176,6 +180,14 @@ class Runner:
             deliver(bucket, [mean.view(p.shape) for mean, p in zip(means, bucket.params)], keep)
 
         self._launch(_Flight(bucket.index, bucket.key, exchange, write_back), started)
+
+    def _pieces(self, codec: ElementwiseCodec, grads: Sequence[torch.Tensor | None]) -> Pieces | None:
+        """``grads`` as ``Pieces`` for a codec that reads them in place (``reads_pieces``) over all workers, where the
+        native kernels take each of them; else None: the bucket's flat buffer is filled
+        (docs/benchmarks.md#the-gradients-read-where-they-lie)."""
+        if self.hierarchical or not codec.reads_pieces or not all(native.usable_each(grads)):
+            return None
+        return Pieces(grads)
 
     def launch_exchange(self, index: int, key: str, exchange: Exchange, deliver: Deliver) -> None:
         """Start any exchange (e.g. one of Birder's chunks) under this runner; ``deliver(result)`` receives its

@@ -60,6 +60,7 @@ from ..codec import native, native_planes
 from ..codec.agreed import AgreedScales
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import pack_planes, plane_bytes, unpack_planes
+from ..codec.pieces import Pieces, as_vector
 from ..codec.quantize import MaxNormQuantizer, stochastic_levels
 from ..codec.validate import check_bool, check_int
 from .ahead import AheadMaxNorm
@@ -138,6 +139,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         self.ahead = AheadMaxNorm(inner) if scale == "ahead" else None  # its lanes, and the agreed scales of both
         if self.ahead is not None:
             self.bucket_mb = self.ahead.bucket_mb
+        self.reads_pieces = self.ahead is not None  # the encodes of an agreed scale read them in place
 
     def config(self) -> tuple:
         """What every worker must share: ``inner``'s configuration (bits, scale chunks, seed, rotation) and whether
@@ -160,25 +162,31 @@ class TwoStageMaxNorm(ElementwiseCodec):
             return "lanes"
         return choose_exchange(numel, self.inner.quantizer.bits[0], world_size, self.workers_per_node)
 
-    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int) -> Exchange:
-        """See ``ElementwiseCodec.exchange``; every worker chooses alike (from sizes every worker shares)."""
+    def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
+                 pieces: Pieces | None = None) -> Exchange:
+        """See ``ElementwiseCodec.exchange`` (``pieces`` with the scale agreed ahead: ``reads_pieces``); every worker
+        chooses alike (from sizes every worker shares)."""
+        if pieces is not None and (self.ahead is None or pieces.numel != flat.numel()):
+            raise ValueError(f"pieces of {pieces.numel} values take the scale agreed ahead and {flat.numel()} values")
         if self.choose(flat.numel(), world_size) == "lanes":
-            return (self.inner if self.ahead is None else self.ahead).exchange(flat, segments, key, step, world_size)
+            if self.ahead is None:
+                return self.inner.exchange(flat, segments, key, step, world_size)
+            return self.ahead.exchange(flat, segments, key, step, world_size, pieces=pieces)
         layout = Segments.of(segments, key)
         if sum(layout) != flat.numel():
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat")
-        return self._two_stage(flat, layout, key, step, world_size)
+        return self._two_stage(flat, layout, key, step, world_size, pieces)
 
-    def _two_stage(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int,
-                   world_size: int) -> Exchange:
+    def _two_stage(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
+                   pieces: Pieces | None) -> Exchange:
         quantizer = self.inner.quantizer
         s, width, numel = quantizer.coarse_levels, plain_width(quantizer.bits[0]), flat.numel()
         chunk = shard_length(numel, world_size)
         rounding = self.inner.rounding_stream(key, step, flat.device)
         agreed = None if self.ahead is None else self.ahead.memory  # (then no error feedback, no rotation)
         residual = None if self.memory is None else self.memory.residual(key, flat)
-        values = agreed.with_excess(key, flat) if agreed is not None else flat if residual is None else flat + residual
+        values = agreed.with_excess(key, flat, pieces) if agreed is not None else flat if residual is None else (
+            flat + residual)
         groups = quantizer.scale_groups(numel, layout)
         if self.inner.rotation is not None:
             values = self.inner.rotation.forward(values, groups, key, step)
@@ -186,6 +194,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         kernels = residual is None and numel > 0 and native.usable(flat)
 
         scale_stats = None if agreed is None else agreed.scales(key, numel, world_size, groups.numel())
+        if scale_stats is None or not kernels:  # pieces only to the kernels of an agreed scale
+            values = as_vector(values, flat)
         local = None
         if scale_stats is None:  # 1. the shared scale
             scale_stats = yield Op.MAX, quantizer.local_stats(values, groups)
@@ -210,7 +220,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
             native_planes.encode_planes(values, groups, units, s, width, rounding, chunk, message,
                                         TWO_STAGE_HEADER_BYTES, local)
             if local is not None and quantizer.saw_nonfinite(local):  # encoded again without them: of no use, defined
-                nonfinite, values = True, torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+                nonfinite, values = True, torch.nan_to_num(as_vector(values, flat), nan=0.0, posinf=0.0, neginf=0.0)
                 native_planes.encode_planes(values, groups, units, s, width, rounding, chunk, message,
                                             TWO_STAGE_HEADER_BYTES)
             if extra:
