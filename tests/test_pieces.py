@@ -17,7 +17,7 @@ from hvdcomp.codec.agreed import AgreedScales
 from hvdcomp.codec.pieces import Pieces
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words
-from hvdcomp.exchange import AheadMaxNorm, MaxNormCodec, NoCompression, TwoStageMaxNorm, simulate
+from hvdcomp.exchange import BF16, FP16, AheadMaxNorm, MaxNormCodec, NoCompression, TwoStageMaxNorm, simulate
 from hvdcomp.exchange.hierarchy import bucket_exchange
 from hvdcomp.exchange.plan import plan_buckets
 from hvdcomp.exchange.runner import Runner
@@ -158,8 +158,12 @@ def test_the_exact_scale_takes_no_pieces_and_the_hierarchical_exchange_none():
     codec = TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))), "two_stage")
     assert not codec.reads_pieces
     pieces = Pieces([torch.ones(8)])
-    with pytest.raises(ValueError, match="scale agreed ahead"):
+    with pytest.raises(ValueError, match="reads_pieces"):
         next(codec.exchange(torch.empty(8), [8], "k", 0, 2, pieces=pieces))
+    fed_back = FP16(error_feedback=True)
+    assert not fed_back.reads_pieces
+    with pytest.raises(ValueError, match="reads_pieces"):
+        next(fed_back.exchange(torch.empty(8), [8], "k", 0, 2, pieces=pieces))
     ahead = AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))))
     for codec, hierarchical in ((ahead, True), (NoCompression(), False)):
         with pytest.raises(ValueError, match="reads_pieces"):
@@ -167,14 +171,40 @@ def test_the_exact_scale_takes_no_pieces_and_the_hierarchical_exchange_none():
                             pieces=pieces)
 
 
-@pytest.mark.parametrize("codec, reads", [(AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)))), True),
-                                          (MaxNormCodec(MaxNormQuantizer((4,))), False)], ids=["ahead", "exact"])
-def test_the_runner_hands_gradients_as_pieces_only_to_a_codec_that_reads_them(codec, reads, monkeypatch):
+@pytest.mark.parametrize("half", [FP16, BF16])
+@pytest.mark.parametrize("natively", [False, True], ids=["all-to-all", "sum"])
+def test_16_bit_exchanges_of_pieces_equal_those_of_the_filled_vector(half, natively):
+    sizes = [5000, 0, 70_001, 33, 4096]
+    codecs = [half() for _ in range(2)]
+    assert all(codec.reads_pieces for codec in codecs)
+    gen = torch.Generator().manual_seed(19)
+    grads = [[torch.randn(size, generator=gen) * 1e3 for size in sizes] for _ in range(2)]
+    grads[0][2][7] = 1e6  # beyond float16's range: Inf, as torch rounds it
+    results = []
+    for use_pieces in (True, False):
+        for codec in codecs:
+            codec.sums_natively = natively
+        flats = [torch.full((sum(sizes),), float("nan")) for _ in range(2)]
+        results.append([mean.clone() for mean in simulate([
+            c.exchange(f, sizes, "k", 0, 2, pieces=Pieces(g)) if use_pieces else c.exchange(torch.cat(g), sizes, "k",
+                                                                                              0, 2)
+            for c, f, g in zip(codecs, flats, grads)])])
+        assert not use_pieces or all(flat.isnan().all() for flat in flats)  # never filled
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("codec, first_read", [(AheadMaxNorm(MaxNormCodec(MaxNormQuantizer((4,)))), 1),
+                                               (FP16(), 0), (MaxNormCodec(MaxNormQuantizer((4,))), None)],
+                         ids=["ahead", "fp16", "exact"])
+def test_the_runner_hands_gradients_as_pieces_only_to_a_codec_that_reads_them(codec, first_read, monkeypatch):
+    reads = first_read is not None
     params = [torch.nn.Parameter(torch.zeros(5000)), torch.nn.Parameter(torch.zeros(300, 7))]
     state = ExchangeState(codec, "test", {})
     state.plan = plan_buckets(params, {params[0]: "a", params[1]: "b"}, 25.0)
     bucket, transport = state.plan[0], EchoTransport(2)
     codec.bind_rank(transport.rank)  # (not the transport: its echo would double the statistics rows in the payload)
+    if isinstance(codec, FP16):
+        codec.sums_natively = True  # one SUM, which the echo doubles
     runner = Runner(transport, state.stats, "t", state)
     handed = []
     original = Runner._pieces
@@ -192,10 +222,11 @@ def test_the_runner_hands_gradients_as_pieces_only_to_a_codec_that_reads_them(co
         bucket.flat(torch.float32).fill_(float("nan"))
         runner.launch(bucket, grads, lambda _, means, keep, got=got: got.update(means=[m.clone() for m in means]))
         runner.finish()
-        assert bool(bucket.flat(torch.float32).isnan().all()) == (reads and step > 0), step
+        assert bool(bucket.flat(torch.float32).isnan().all()) == (reads and step >= first_read), step
         for mean, grad in zip(got["means"], grads):
             assert mean.shape == grad.shape
-            assert (mean - grad).abs().max() <= grad.abs().max() / 15 + 1e-6  # one 4-bit level of a twin's own
+            assert (mean - grad).abs().max() <= grad.abs().max() / 15 + 1e-6  # one 4-bit level of a twin's own (fp16:
+            # its rounding)
     assert len(handed) == (3 if reads else 0) and (not reads or handed[-1] == [g.data_ptr() for g in grads])
     with pytest.MonkeyPatch.context() as patch:  # the kernels off: the flat buffer is filled
         patch.setenv(native.ENV_SWITCH, "0")

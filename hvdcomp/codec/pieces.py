@@ -27,7 +27,8 @@ class Pieces:
                 raise ValueError(f"the kernels take each piece as a contiguous float32 CPU tensor, not {tensor.dtype} "
                                  f"on {tensor.device} (contiguous: {tensor.is_contiguous()})")
         self.tensors = [tensor.view(-1) for tensor in tensors]
-        lengths = torch.tensor([0] + [tensor.numel() for tensor in self.tensors], dtype=torch.int64)
+        self.lengths = [tensor.numel() for tensor in self.tensors]
+        lengths = torch.tensor([0] + self.lengths, dtype=torch.int64)
         self.numel = int(lengths.sum())
         # what the kernels read: each piece's address and its cumulative end (alive as long as this object)
         self._pointers = torch.tensor([tensor.data_ptr() for tensor in self.tensors], dtype=torch.int64)
@@ -44,11 +45,24 @@ class Pieces:
         return self._pointers.data_ptr(), self._ends.data_ptr(), len(self.tensors), self.numel
 
     def fill(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` (float32 ``[numel]``) <- the values, one after another; returns ``flat``."""
-        if flat.shape != (self.numel,) or flat.dtype != torch.float32:
-            raise ValueError(f"{self.numel} values fill a float32 [{self.numel}] vector, not {flat.dtype} "
+        """``flat`` (``[numel]`` of a floating dtype) <- the values, one after another, rounded to its dtype as
+        ``Tensor.copy_`` rounds; returns ``flat``."""
+        if flat.shape != (self.numel,) or not flat.dtype.is_floating_point:
+            raise ValueError(f"{self.numel} values fill a floating-point [{self.numel}] vector, not {flat.dtype} "
                              f"{tuple(flat.shape)}")
-        return torch.cat(self.tensors, out=flat) if self.tensors else flat
+        if flat.dtype == torch.float32:
+            return torch.cat(self.tensors, out=flat) if self.tensors else flat
+        for tensor, part in zip(self.tensors, flat.split(self.lengths)):  # torch.cat rounds to another dtype slower
+            part.copy_(tensor)
+        return flat
+
+
+def checked_pieces(pieces: Pieces | None, flat: torch.Tensor, reads: bool) -> None:
+    """``ValueError`` unless ``pieces`` is None, or goes to a codec that ``reads`` them and holds ``flat``'s count of
+    values."""
+    if pieces is not None and (not reads or pieces.numel != flat.numel()):
+        raise ValueError(f"pieces of {pieces.numel} values go to a codec that reads them (reads_pieces: {reads}) "
+                         f"exchanging as many ({flat.numel()})")
 
 
 def as_vector(values: torch.Tensor | Pieces, flat: torch.Tensor) -> torch.Tensor:

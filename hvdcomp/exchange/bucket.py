@@ -138,7 +138,8 @@ class ElementwiseCodec(BucketCodec):
         last pass, saving the caller a copy (``NoCompression``, ``FP16``, ``BF16``). A codec that declares
         ``reads_pieces`` also takes ``pieces=``: the values as ``hvdcomp.codec.pieces.Pieces`` (the caller's gradients,
         read in place, never written; ``flat`` is then not filled, but the codec's to write, e.g. to fill it from them
-        where it needs the vector itself), saving the caller the copy into ``flat`` (``AheadMaxNorm``).
+        where it needs the vector itself), saving the caller the copy into ``flat`` (``AheadMaxNorm``; ``FP16`` and
+        ``BF16`` without error feedback).
 
         The call may check the configuration against ``segments`` (every worker alike, before any
         collective); ``flat``'s values are read only once the exchange runs (a hierarchical exchange

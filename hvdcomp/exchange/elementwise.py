@@ -17,6 +17,7 @@ import torch
 from ..codec.half import HalfBuffers, add_rounding_error, mean_from_half_sums, round_to_half, sum_rows_to_half
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import INT64_WORD_BITS
+from ..codec.pieces import Pieces, checked_pieces
 from ..codec.quantize import MaxNormQuantizer
 from ..codec.random import stream_words
 from ..codec.recycle import ResultBuffers
@@ -103,6 +104,7 @@ class HalfCodec(ElementwiseCodec):
 
     def __init__(self, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None
+        self.reads_pieces = self.memory is None  # rounded where they lie; the memory's update reads the vector
         self.sums_natively = False  # whether the transport sums half_dtype at the wire's rate (bind_transport)
         self._buffers: dict[Hashable, HalfBuffers] = {}  # per bucket, reused every step
         self.results = ResultBuffers()  # per bucket, the mean's
@@ -127,13 +129,18 @@ class HalfCodec(ElementwiseCodec):
         return buffers
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int,
-                 world_size: int, out: torch.Tensor | None = None) -> Exchange:
+                 world_size: int, out: torch.Tensor | None = None, pieces: Pieces | None = None) -> Exchange:
         """See ``ElementwiseCodec.exchange``: the mean goes into ``out`` where given, unless rounding errors are
-        fed back (their update reads ``flat`` after the mean)."""
+        fed back (their update reads ``flat`` after the mean); ``pieces`` (without error feedback,
+        ``reads_pieces``): the values, rounded into the 16-bit buffer from where they lie."""
+        checked_pieces(pieces, flat, self.reads_pieces)
         buffers = self._buffers_for(key, flat.numel(), world_size, flat.device)
         half = buffers.send[:flat.numel()]
         residual = None if self.memory is None else self.memory.residual(key, flat)
-        round_to_half(flat, residual, out=half)
+        if pieces is None:
+            round_to_half(flat, residual, out=half)
+        else:
+            pieces.fill(half)  # rounded as round_to_half rounds without a residual
         if self.sums_natively:  # the send buffer is scratch once sent, but for the memory's update
             total = yield last(Op.SUM if residual is not None else Op.SUM_IN_PLACE, buffers.send)
         else:

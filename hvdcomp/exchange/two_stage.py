@@ -60,7 +60,7 @@ from ..codec import native, native_planes
 from ..codec.agreed import AgreedScales
 from ..codec.memory import ErrorFeedback
 from ..codec.packing import pack_planes, plane_bytes, unpack_planes
-from ..codec.pieces import Pieces, as_vector
+from ..codec.pieces import Pieces, as_vector, checked_pieces
 from ..codec.quantize import MaxNormQuantizer, stochastic_levels
 from ..codec.validate import check_bool, check_int
 from .ahead import AheadMaxNorm
@@ -166,8 +166,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
                  pieces: Pieces | None = None) -> Exchange:
         """See ``ElementwiseCodec.exchange`` (``pieces`` with the scale agreed ahead: ``reads_pieces``); every worker
         chooses alike (from sizes every worker shares)."""
-        if pieces is not None and (self.ahead is None or pieces.numel != flat.numel()):
-            raise ValueError(f"pieces of {pieces.numel} values take the scale agreed ahead and {flat.numel()} values")
+        checked_pieces(pieces, flat, self.reads_pieces)
         if self.choose(flat.numel(), world_size) == "lanes":
             if self.ahead is None:
                 return self.inner.exchange(flat, segments, key, step, world_size)
