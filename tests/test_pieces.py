@@ -136,7 +136,8 @@ def _steps(codec_of, use_pieces: bool, sizes: list[int], steps: int = 7):
 ], ids=["lanes", "two-stage"])
 def test_scale_ahead_exchanges_of_pieces_equal_those_of_the_filled_vector(codec_of):
     sizes = [5000, 0, 70_001, 33, 4096]
-    got, want = _steps(codec_of, True, sizes), _steps(codec_of, False, sizes)
+    with pytest.warns(RuntimeWarning, match="NaN/Inf at step 4"):
+        got, want = _steps(codec_of, True, sizes), _steps(codec_of, False, sizes)
     for (means, memories, _), (want_means, want_memories, _) in zip(got, want):
         assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(means, want_means))
         for memory, want_memory in zip(memories, want_memories):

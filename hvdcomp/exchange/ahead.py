@@ -42,7 +42,7 @@ import torch
 from ..codec import carrier, native
 from ..codec.agreed import AgreedScales
 from ..codec.packing import INT64_WORD_BITS, lane_block_words
-from ..codec.pieces import Pieces, as_vector
+from ..codec.pieces import Pieces, as_vector, checked_pieces
 from .bucket import ElementwiseCodec, Segments
 from .elementwise import MaxNormCodec, warn_nonfinite
 from .protocol import Exchange, Op, last, relay
@@ -106,11 +106,10 @@ class AheadMaxNorm(ElementwiseCodec):
         their exact int64 sums (``carrier.unwrap``: ``[words + rows]``), and no request follows it. Default: int64
         words, the rows as ``scale_rows`` says, the reply the same shape."""
         layout = Segments.of(segments, key)
-        if (sum(layout) != flat.numel() or (out is not None and out.shape != flat.shape)
-                or (pieces is not None and pieces.numel != flat.numel())):
+        checked_pieces(pieces, flat, self.reads_pieces)
+        if sum(layout) != flat.numel() or (out is not None and out.shape != flat.shape):
             raise ValueError(f"segments {list(layout)[:8]}... do not split the {flat.numel()} elements of flat (and "
-                             f"out, if given: {None if out is None else tuple(out.shape)}; pieces, if given: "
-                             f"{None if pieces is None else pieces.numel} values)")
+                             f"out, if given: {None if out is None else tuple(out.shape)})")
         return self._exchange(flat, layout, key, step, world_size, word_bits, carrier_bits, out, pieces)
 
     def _exchange(self, flat: torch.Tensor, layout: Segments, key: Hashable, step: int, world_size: int,
