@@ -243,3 +243,13 @@ def test_the_excess_is_added_into_the_callers_scratch_once():
     memory.keep_excess("k", (torch.tensor([1, 4]), torch.tensor([0.5, -2.0])))
     summed = memory.with_excess("k", flat, pieces)
     assert summed is flat and torch.equal(flat, torch.tensor([1.0, 1.5, 1.0, 1.0, -1.0, 1.0]))
+
+
+def test_a_tensor_that_is_not_contiguous_is_still_encoded_natively(monkeypatch):
+    quantizer, x = MaxNormQuantizer((4,)), _gradient(210_000, 3).view(300, 700).t()
+    groups = quantizer.scale_groups(x.numel())
+    stats, rng = quantizer.local_stats(x.reshape(-1), groups), stream_words(0, 0, "pieces")
+    want = quantizer.encode(x.contiguous(), stats, groups, None, 2, rng=rng)
+    calls, kernel = [], native.encode
+    monkeypatch.setattr(native, "encode", lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    assert torch.equal(quantizer.encode(x, stats, groups, None, 2, rng=rng), want) and calls == [1]

@@ -275,12 +275,13 @@ class MaxNormQuantizer:
             raise ValueError("encode needs the rounding stream's words (hvdcomp.codec.random.stream_words)")
         if isinstance(x, Pieces) and (agreed is not None or self.multiscale):
             raise ValueError("pieces are encoded natively: at one resolution, without agreed resolutions")
+        x = x if isinstance(x, Pieces) else x.reshape(-1)  # (a copy where x is not contiguous, which the kernels take)
         layout, coarse = self.payload_layout(world_size, word_bits), self.coarse_levels
         check_stats(scale_stats, groups, x.numel if isinstance(x, Pieces) else x.numel())
         if isinstance(x, Pieces) or (agreed is None and not self.multiscale and native.usable(x)):
             return native.encode(x, groups, self.group_units(scale_stats), coarse, layout.lanes_per_word,
                                  layout.lane_width, rng, out, local_out)
-        x, rng = x.reshape(-1), rng.to(x.device)
+        rng = rng.to(x.device)
         if local_out is not None:
             local_out.copy_(self.local_stats(x, groups))
         units = self._encode_units(scale_stats, groups, agreed, x.numel())
