@@ -1,5 +1,5 @@
 """Scheme names of ``benchmarks/cluster.py``: ``family:variant`` with optional ``:hier`` or ``:auto``,
-``:two_stage`` and ``:hsdp`` suffixes (in that order).
+``:two_stage`` or ``:auto_exchange``, and ``:hsdp`` suffixes (in that order).
 
 Families:
 
@@ -27,7 +27,8 @@ default): Birder times both routes on its first steps (``hvdcomp.exchange.route`
 
 ``:two_stage`` (``hvdcomp:qsgd<bits>`` and ``hvdcomp:birder``) passes ``exchange="two_stage"``: the
 constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes (``QSGDMaxNorm`` with its default
-scale, agreed ahead). ``:hsdp`` (``fsdp`` and
+scale, agreed ahead); ``:auto_exchange`` (the same schemes) passes ``exchange="auto"``, which leaves that choice to
+the optimizer. ``:hsdp`` (``fsdp`` and
 ``hvdcomp-fsdp``) shards inside each node and replicates across nodes (HSDP): full precision inside, and for
 ``hvdcomp-fsdp`` the codec across nodes; it needs several workers per node.
 
@@ -72,24 +73,19 @@ class Scheme:
     family: str
     variant: str
     hierarchical: bool | None = False  # None: the route left open (``:auto``)
-    two_stage: bool = False
+    exchange: str = "lanes"  # the ``exchange=`` argument of hvdcomp's optimizers: "lanes", "two_stage" or "auto"
     hsdp: bool = False
 
     @property
     def name(self) -> str:
         route = ":hier" if self.hierarchical else ":auto" if self.hierarchical is None else ""
-        return f"{self.family}:{self.variant}{route}" + (":two_stage" if self.two_stage else "") + (
-            ":hsdp" if self.hsdp else "")
+        exchange = {"lanes": "", "two_stage": ":two_stage", "auto": ":auto_exchange"}[self.exchange]
+        return f"{self.family}:{self.variant}{route}{exchange}" + (":hsdp" if self.hsdp else "")
 
     @property
     def node_sets(self) -> bool:
         """Whether Horovod workers need node-local process sets (a hierarchical route, or one left open)."""
         return self.hierarchical is not False
-
-    @property
-    def exchange(self) -> str:
-        """The ``exchange=`` argument of hvdcomp's optimizers: ``"two_stage"`` or ``"lanes"``."""
-        return "two_stage" if self.two_stage else "lanes"
 
     @property
     def torch_distributed(self) -> bool:
@@ -106,16 +102,17 @@ def parse_scheme(name: str) -> Scheme:
     """``"hvdcomp:qsgd4:hier"`` -> ``Scheme("hvdcomp", "qsgd4", True)``; ValueError naming the choices."""
     parts = name.strip().split(":")
     family, variant, suffixes = (parts + [""])[0], (parts + [""])[1], parts[2:]
-    hierarchical, two_stage, hsdp = "hier" in suffixes, "two_stage" in suffixes, "hsdp" in suffixes
+    hierarchical, hsdp = "hier" in suffixes, "hsdp" in suffixes
+    exchange = "two_stage" if "two_stage" in suffixes else "auto" if "auto_exchange" in suffixes else "lanes"
     route_open = "auto" in suffixes
     known = FAMILIES.get(family, ())
     valid = variant in known or ("qsgd<bits>" in known and QSGD.fullmatch(variant) is not None)
-    in_order = suffixes == [s for s in ("hier", "auto", "two_stage", "hsdp") if s in suffixes]
-    if len(parts) < 2 or not in_order or not valid:
+    in_order = suffixes == [s for s in ("hier", "auto", "two_stage", "auto_exchange", "hsdp") if s in suffixes]
+    if len(parts) < 2 or not in_order or not valid or {"two_stage", "auto_exchange"} <= set(suffixes):
         choices = "; ".join(f"{f}:{{{','.join(v)}}}" for f, v in FAMILIES.items())
         raise ValueError(f"unknown scheme {name!r}: choose from {choices} (bits 1..16), hvdcomp and hvdcomp-ddp "
                          "ones with an optional :hier suffix (:auto for their birder), hvdcomp:qsgd<bits> and "
-                         "hvdcomp:birder with :two_stage, "
+                         "hvdcomp:birder with :two_stage or :auto_exchange, "
                          "fsdp and hvdcomp-fsdp ones with :hsdp")
     if hierarchical and family not in HIERARCHICAL_FAMILIES:
         raise ValueError(f"scheme {name!r}: only hvdcomp and hvdcomp-ddp schemes have a hierarchical (:hier) "
@@ -123,11 +120,12 @@ def parse_scheme(name: str) -> Scheme:
     if route_open and (hierarchical or family not in HIERARCHICAL_FAMILIES or variant != "birder"):
         raise ValueError(f"scheme {name!r}: only hvdcomp:birder and hvdcomp-ddp:birder leave the route open (:auto, "
                          "not with :hier); the other hvdcomp schemes' default route is flat")
-    if two_stage and (family != "hvdcomp" or not (variant == "birder" or QSGD.fullmatch(variant))):
-        raise ValueError(f"scheme {name!r}: only hvdcomp:qsgd<bits> and hvdcomp:birder have a :two_stage variant")
+    if exchange != "lanes" and (family != "hvdcomp" or not (variant == "birder" or QSGD.fullmatch(variant))):
+        raise ValueError(f"scheme {name!r}: only hvdcomp:qsgd<bits> and hvdcomp:birder have :two_stage and "
+                         ":auto_exchange variants")
     if hsdp and family not in HSDP_FAMILIES:
         raise ValueError(f"scheme {name!r}: only fsdp and hvdcomp-fsdp schemes have an HSDP (:hsdp) variant")
-    return Scheme(family, variant, None if route_open else hierarchical, two_stage, hsdp)
+    return Scheme(family, variant, None if route_open else hierarchical, exchange, hsdp)
 
 
 def default_schemes(workers_per_node: int) -> list[str]:

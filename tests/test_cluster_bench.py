@@ -53,7 +53,9 @@ def test_scheme_names():
     assert {"ddp:bf16", "hvdcomp:bf16", "hvdcomp-ddp:bf16"} <= set(DEFAULT)  # Horovod has no bfloat16
     assert "hvdcomp-ddp:birder" not in DEFAULT and [n for n in QUICK if n.startswith("hvdcomp-ddp:")]
     two_stage = parse_scheme("hvdcomp:qsgd8:hier:two_stage")
-    assert two_stage == Scheme("hvdcomp", "qsgd8", True, True) and two_stage.exchange == "two_stage"
+    assert two_stage == Scheme("hvdcomp", "qsgd8", True, "two_stage") and two_stage.exchange == "two_stage"
+    for name in ("hvdcomp:qsgd4:auto_exchange", "hvdcomp:birder:auto:auto_exchange"):  # the exchange left open
+        assert parse_scheme(name).exchange == "auto" and parse_scheme(name).name == name
     assert parse_scheme("hvdcomp:birder:two_stage").name == "hvdcomp:birder:two_stage"
     for name in ("hvdcomp:birder:auto", "hvdcomp-ddp:birder:auto", "hvdcomp:birder:auto:two_stage"):
         scheme = parse_scheme(name)  # the route left open: Birder's default
@@ -69,7 +71,9 @@ def test_scheme_names():
                 "hvdcomp:fp16:two_stage", "hvdcomp-ddp:qsgd4:two_stage", "hvdcomp:qsgd4:two_stage:hier",
                 "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier", "hvdcomp-fsdp:powersgd1", "fsdp:fp16",
                 "hvdcomp-ddp:qsgd4:hsdp", "hvdcomp-fsdp:qsgd4:hier", "fsdp:fp32:hsdp:two_stage", "hvdcomp:qsgd4:auto",
-                "hvdcomp:birder:hier:auto", "hvdcomp:birder:auto:hier", "ddp:fp32:auto", "hvdcomp-fsdp:none:auto"):
+                "hvdcomp:birder:hier:auto", "hvdcomp:birder:auto:hier", "ddp:fp32:auto", "hvdcomp-fsdp:none:auto",
+                "hvdcomp:qsgd4:two_stage:auto_exchange", "hvdcomp:qsgd4:auto_exchange:two_stage",
+                "hvdcomp:fp16:auto_exchange", "hvdcomp-ddp:qsgd4:auto_exchange"):
         with pytest.raises(ValueError, match="scheme"):
             parse_scheme(bad)
     assert default_schemes(1) == list(DEFAULT + FSDP_DEFAULT)
