@@ -363,7 +363,7 @@ def _route_timed(monkeypatch, faster_hierarchical):
 
     def faked(trial, seconds):
         slow = 3.0 if trial is faked.slowest else 2.0
-        record(trial, 1.0 if trial.hierarchical == faster_hierarchical else slow)
+        record(trial, 1.0 if trial.second == faster_hierarchical else slow)
 
     faked.slowest = None
 

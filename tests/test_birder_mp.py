@@ -172,7 +172,7 @@ def _open_route_worker(steps, faster_hierarchical):
     from hvdcomp.exchange.route import RouteTrial
 
     record = RouteTrial.record
-    RouteTrial.record = lambda trial, seconds: record(trial, 1.0 if trial.hierarchical == faster_hierarchical else 2.0)
+    RouteTrial.record = lambda trial, seconds: record(trial, 1.0 if trial.second == faster_hierarchical else 2.0)
     params = _params()
     optimizer = Birder(params, **{**OPTIONS, "hierarchical": None})
     routes = []

@@ -204,9 +204,15 @@ def test_cost_model_picks_by_world_size_nodes_and_bucket_size():
     assert choose_exchange(big, 8, 64, workers_per_node=8, link=gigabit, codec=wire_only) == "lanes"
     costs = {scheme: exchange_cost(scheme, big, 8, 64, 8, gigabit)[1] for scheme in SCHEMES}
     assert min(costs, key=costs.get) == "hierarchical_two_stage"
-    auto = _codecs(4, 8, exchange="auto")[0]
-    assert auto.choose(big, 32) == choose_exchange(big, 8, 32) and auto.choose(10, 32) == "lanes"
+    modelled = _codecs(4, 8, exchange="auto", error_feedback=True)[0]  # no trial: the cost model per bucket
+    assert modelled.trial is None and modelled.choose(big, 32) == choose_exchange(big, 8, 32)
+    auto = _codecs(4, 8, exchange="auto")[0]  # the trial's route: the lanes, then the two-stage exchange
+    assert auto.choose(big, 32) == "lanes" and auto.choose(10, 32) == "lanes"
+    auto.trial.choice = True
+    assert auto.choose(big, 32) == "two_stage" and auto.choose(10, 32) == "two_stage"
     assert auto.choose(big, 1) == "lanes"
+    assert _codecs(4, 8, exchange="lanes")[0].trial is None and _codecs(4, 8)[0].trial is None
+    assert TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4, 8))), "auto").trial is None  # lanes only
     with pytest.raises(ValueError, match="two_stage"):
         TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4, 8))), "two_stage")
     with pytest.raises(ValueError, match="exchange"):

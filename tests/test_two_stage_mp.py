@@ -1,6 +1,6 @@
 """The two-stage exchange on 4 real Gloo workers (2 emulated nodes of 2): statistics, the optimizer's and
-Birder's exchange= choices, hierarchical (node-level) use, with the scale exact and agreed ahead, and an exact resume
-with error feedback."""
+Birder's exchange= choices, hierarchical (node-level) use, with the scale exact and agreed ahead, an exact resume
+with error feedback, and exchange="auto"'s one verdict on every worker."""
 
 import pytest
 import torch
@@ -81,7 +81,23 @@ def _worker():
     out["resumed"] = [p.detach().clone() for p in net.parameters()]
     resumed.close()
 
-    # 4. Birder across the two nodes, two-stage
+    # 4. exchange="auto": trial seconds faked per rank (rank 0 alone finds the lanes slower), reduced by MAX: every
+    # worker keeps the two-stage exchange
+    from hvdcomp.exchange.route import TRIAL_ROUNDS, RouteTrial
+
+    record = RouteTrial.record
+    RouteTrial.record = lambda trial, seconds: record(trial, 2.0 if trial.second else 3.0 if rank == 0 else 1.0)
+    net = model()
+    with hvdcomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), exchange="auto",
+                                      compression=hvdcomp.QSGDMaxNorm(6)) as optimizer:
+        for seed in range(2 * (TRIAL_ROUNDS + 1) + 2):
+            step(net, optimizer, seed)
+        trial = optimizer.exchange_trial
+        out["auto"] = {"choice": trial.choice, "medians": trial.medians, "stats": optimizer.stats.last_step.as_dict(),
+                       "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+    RouteTrial.record = record
+
+    # 5. Birder across the two nodes, two-stage
     net = model()
     birder = hvdcomp.Birder(net.parameters(), lr=0.01, exchange="two_stage", hierarchical=True)
     step(net, birder, 0)
@@ -123,6 +139,10 @@ def test_two_stage_on_four_gloo_workers():
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["unbroken"], r["resumed"]))
     assert {r["birder"][0] for r in results} == {"hierarchical:two_stage"}
+    assert all(r["auto"]["choice"] is True and r["auto"]["medians"] == (3.0, 2.0) for r in results)
+    assert all(torch.equal(r["auto"]["params"], results[0]["auto"]["params"]) for r in results)
+    kept = results[0]["auto"]["stats"]  # the two-stage exchange's constant bits, not lanes of 12 bits
+    assert kept["inter_node_bytes"] * 8 / (kept["uncompressed_bytes"] / 4) < 2 * (6 + 1) + 2
     assert all(torch.equal(r["birder"][1], results[0]["birder"][1]) for r in results)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .protocol import Exchange
+from .route import RouteTrial
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,15 @@ class BucketCodec(ABC):
     the caller gives none (None: the caller's own); ``splits_deliveries``, whether that size should also split
     what arrives at once (one of DDP's buckets: it pays where a bucket's encode overlaps the previous bucket's
     wire; where not, the DDP door exchanges DDP's own buckets); and ``warmup_steps``, the exchanges an entry point
-    sends uncompressed first (``hvdcomp.exchange.state``)."""
+    sends uncompressed first (``hvdcomp.exchange.state``). ``trial``: the two routes the codec is trying (its
+    ``RouteTrial``, e.g. ``TwoStageMaxNorm``'s ``exchange="auto"``), whose steps the runner times and whose verdict
+    it reaches (``hvdcomp.exchange.runner``); None: the codec's route is fixed."""
 
     bucket_mb: float | None = None
     splits_deliveries: bool = True
     warmup_steps: int = 0
     inner: BucketCodec | None = None  # the codec a wrapping codec runs (state of its own that one door may own)
+    trial: RouteTrial | None = None
 
     def config(self) -> tuple:
         """What every worker must configure alike (compared between workers before the first exchange, and

@@ -9,7 +9,8 @@ An all-gather over ``G`` workers sends ``(G - 1)`` times each worker's payload, 
 (``W = N L``) with an uplink of given bandwidth and latency: the lanes grow with ``W``
 (``bit_length(2 s W)`` bits), the two-stage exchange does not (``2 (bits + 1)`` bits in all) but its
 all-to-all sends ``L`` workers' parts through one uplink, where a ring sends one worker's. So
-``choose_exchange`` (what ``exchange="auto"`` calls per bucket) picks two-stage for one worker per
+``choose_exchange`` (what ``exchange="auto"`` calls per bucket with error feedback; without, it times both
+exchanges, ``hvdcomp.exchange.route``) picks two-stage for one worker per
 node (or across nodes in hierarchical mode) once the bucket is large enough for its per-chunk
 headers, and lanes for flat exchanges over nodes of several workers.
 """

@@ -31,6 +31,11 @@ ready (``launch``) and where its means go (``deliver``); the runner does the res
   ``decompress_s`` after the last result) into ``stats.last_step``; ``finish`` ends the step;
 - **agreement**: before the first exchange after construction, a load or an elastic re-synchronisation, the
   state's ``agree`` (``hvdcomp.exchange.state``): workers configured differently raise on every worker;
+- **trials**: where the step's codec is trying two routes (``BucketCodec.trial``, e.g. ``exchange="auto"``'s
+  lanes and two-stage exchange), ``finish`` records the step's seconds since the previous ``finish`` (the whole
+  iteration the route belongs to: backward, its exchanges and the rest) in the trial, and once every trial step
+  is recorded, reduces them by MAX over all workers in one blocking collective (``{prefix}.trial``), so every
+  worker reaches the same verdict at the same step (``hvdcomp.exchange.route``);
 - **write-back**: ``deliver(bucket, means, keep)`` gets one mean per tensor, in the gradient's shape, and
   ``keep``: whether the means may be kept as they are (they are no buffer the codec or the bucket writes
   again) instead of being copied.
@@ -51,6 +56,7 @@ from .bucket import ElementwiseCodec
 from .hierarchy import bucket_exchange
 from .plan import Bucket
 from .protocol import Exchange, LastRequest, Op, Reduction, Scope, Transport
+from .route import RouteTrial
 from .state import ExchangeState
 from .stats import Statistics
 
@@ -126,6 +132,7 @@ class Runner:
         self._large_bytes = None if transport.blocking else transport.large_request_bytes
         self._large_open = 0  # exchanges open (started, not finished) whose first request is large
         self._open = False
+        self._finished_at: float | None = None  # when the previous step finished (``perf_counter``)
 
     @property
     def in_flight(self) -> bool:
@@ -289,7 +296,19 @@ class Runner:
         self.stats.end_step()
         self._open = False
         if self.state is not None:
+            self._time_trial(self.state.step_codec().trial)
             self.state.step += 1
+
+    def _time_trial(self, trial: RouteTrial | None) -> None:
+        """Record the step in ``trial`` and reach its verdict once it is due (the module docstring)."""
+        now = time.perf_counter()
+        since, self._finished_at = self._finished_at, now
+        if trial is None or trial.choice is not None or self.transport.size == 1:
+            return
+        trial.record(now - since if since is not None else 0.0)  # a first step: untimed
+        if trial.deciding:
+            name = f"{self.prefix}.trial"
+            trial.decide(self.transport.wait(self.transport.start(Op.MAX, trial.seconds(), name)))
 
     def complete(self) -> None:
         """Run every exchange in flight to its end (the module docstring); the step stays open (a door whose

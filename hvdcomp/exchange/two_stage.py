@@ -44,9 +44,12 @@ adds what its re-quantization lost (in value units) to its chunk's mean before c
 memory of ``(key, "owner")``). Non-finite steps leave both untouched.
 
 ``TwoStageMaxNorm`` is the bucket codec: per bucket it runs the lanes (its ``MaxNormCodec``) or this
-exchange, as ``exchange`` says (``"auto"``: ``cost.choose_exchange`` from the bucket's size, the bits,
-``W`` and ``workers_per_node``). Inside a hierarchical exchange its ``WORLD`` ops become ``CROSS`` ones:
-the node-level variant.
+exchange, as ``exchange`` says. ``"auto"`` times both on the job's first steps and keeps the faster (its
+``trial``, ``hvdcomp.exchange.route``: the runner times the steps and reaches the verdict; the scale agreed ahead
+serves both), since whether the bytes saved pay for the second codec pass depends on the link and the cores
+(docs/benchmarks.md#the-exchange-measured). With error feedback, whose memories one exchange would leave behind,
+``"auto"`` takes ``cost.choose_exchange``'s pick from the bucket's size, the bits, ``W`` and ``workers_per_node``.
+Inside a hierarchical exchange its ``WORLD`` ops become ``CROSS`` ones: the node-level variant.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from .cost import EXCHANGES, TWO_STAGE_HEADER_BYTES, choose_exchange, plain_widt
 from .elementwise import MaxNormCodec, warn_nonfinite
 from .hierarchy import shard_length
 from .protocol import Exchange, Op, last
+from .route import RouteTrial
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest chunk scale divided by
 
@@ -108,7 +112,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
     Args:
         inner: the ``MaxNormCodec`` of the scheme (one resolution, no coordinate selection for the two-stage
             exchange); its quantizer, seed and rounding streams serve both exchanges.
-        exchange: ``"auto"`` (``cost.choose_exchange`` per bucket), ``"lanes"`` or ``"two_stage"``.
+        exchange: ``"auto"`` (the faster of both on the first steps, ``trial``; with error feedback
+            ``cost.choose_exchange`` per bucket), ``"lanes"`` or ``"two_stage"``.
         error_feedback: keep what each stage's rounding lost (worker- and chunk-owner-side) for the next step.
         workers_per_node: workers sharing a node's uplink within one exchange (1 in hierarchical mode, where
             each group spans one worker per node); only ``"auto"`` reads it.
@@ -140,6 +145,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if self.ahead is not None:
             self.bucket_mb = self.ahead.bucket_mb
         self.reads_pieces = self.ahead is not None  # the encodes of an agreed scale read them in place
+        self.trial = RouteTrial() if self._tried else None  # the lanes first, then the two-stage exchange
 
     def config(self) -> tuple:
         """What every worker must share: ``inner``'s configuration (bits, scale chunks, seed, rotation) and whether
@@ -154,12 +160,20 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if self.ahead is not None:
             self.ahead.bind_transport(transport)
 
+    @property
+    def _tried(self) -> bool:
+        """Whether ``"auto"`` is decided by timing both exchanges (see the module docstring)."""
+        return self.mode == "auto" and self.supports_two_stage and self.memory is None
+
     def choose(self, numel: int, world_size: int) -> str:
-        """``"lanes"`` or ``"two_stage"`` for a bucket of ``numel`` elements over ``world_size`` workers."""
+        """``"lanes"`` or ``"two_stage"`` for a bucket of ``numel`` elements over ``world_size`` workers: the mode,
+        else the trial's route of this step, else (error feedback) the cost model's pick."""
         if self.mode != "auto":
             return self.mode
         if not self.supports_two_stage or world_size == 1:
             return "lanes"
+        if self.trial is not None:
+            return "two_stage" if self.trial.second else "lanes"
         return choose_exchange(numel, self.inner.quantizer.bits[0], world_size, self.workers_per_node)
 
     def exchange(self, flat: torch.Tensor, segments: Sequence[int], key: Hashable, step: int, world_size: int,
@@ -310,9 +324,12 @@ class TwoStageMaxNorm(ElementwiseCodec):
         return stage_two_message(requantized, chunk_scale, quantizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner codec's state, both stages' error-feedback memories, and with the scale agreed ahead the agreed
-        scales and the clipped excess (``"agreed"``)."""
+        """The inner codec's state, both stages' error-feedback memories, with the scale agreed ahead the agreed
+        scales and the clipped excess (``"agreed"``), and where ``"auto"`` tries both exchanges its verdict
+        (``"exchange_verdict"``: None until reached, True for the two-stage exchange)."""
         state = {"inner": self.inner.state_dict(), "memory": None if self.memory is None else self.memory.state_dict()}
+        if self.trial is not None:
+            state["exchange_verdict"] = self.trial.choice
         return state if self.ahead is None else {**state, "agreed": self.ahead.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -323,7 +340,12 @@ class TwoStageMaxNorm(ElementwiseCodec):
                              "loads with scale='exact', one saved with scale='ahead' with scale='ahead')")
         if self.ahead is not None:
             AgreedScales.check_state(state["agreed"])
+        verdict = state.get("exchange_verdict")  # absent: saved with another exchange, or before the trial
+        if verdict is not None and not isinstance(verdict, bool):
+            raise ValueError(f"the saved exchange verdict must be None, True or False, got {verdict!r}")
         self.inner.load_state_dict(state["inner"])
+        if self._tried:  # a verdict saved is kept, else the trial starts again
+            self.trial = RouteTrial(choice=verdict)
         if self.ahead is not None:
             self.ahead.memory.load_state_dict(state["agreed"])
         if self.memory is not None:

@@ -322,7 +322,7 @@ class Birder(torch.optim.Optimizer):
             self._active.logical_or_(mask_layout.unpack(word_sums, numel) > 0)
             self._all_active = bool(self._active.all())
         traffic.uncompressed_bytes += 4 * numel
-        hierarchical = self.hierarchical if self.hierarchical is not None else trial is not None and trial.hierarchical
+        hierarchical = self.hierarchical if self.hierarchical is not None else trial is not None and trial.second
         return _Update(layout, topo, hierarchical and nodes_of_several, (flags[4:] > 0).tolist())
 
     def _described(self, layout: FlatLayout) -> dict[str, Any]:

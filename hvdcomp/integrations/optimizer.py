@@ -140,6 +140,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         outside the process set)."""
         return None if self._state is None else self._state.stats
 
+    @property
+    def exchange_trial(self) -> Any:
+        """``exchange="auto"``'s timing of both exchanges (``hvdcomp.exchange.route.RouteTrial``: ``choice`` None
+        while trying, then True where the two-stage exchange was kept; ``medians``: seconds per step of the lanes
+        and of the two-stage exchange); None where the exchange is fixed or on a rank outside the process set."""
+        return None if self._state is None else self._state.codec.trial
+
     def _accumulating(self) -> bool:
         """Whether gradients arrived since the last ``synchronize()`` (Horovod's ``_handles``)."""
         return self._included and any(self._counts.values())
@@ -346,7 +353,10 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
         warmup_steps: the first ``warmup_steps`` steps exchange exact float32 means, the codec untouched;
             ``None``: the compressor's own ``warmup_steps`` if it has one, else 0.
         exchange: how max-norm levels travel: ``"lanes"`` (summed), ``"two_stage"`` (constant bits at any W, more
-            variance; ``hvdcomp.exchange.two_stage``) or ``"auto"`` (the cost model's pick per bucket).
+            variance; ``hvdcomp.exchange.two_stage``) or ``"auto"``: the first ``2 (TRIAL_ROUNDS + 1)`` steps (8)
+            run the lanes, then the two-stage exchange, and the one whose median step was shorter on the slowest
+            worker is kept (``exchange_trial``; ``hvdcomp.exchange.route``). With error feedback, the cost
+            model's pick per bucket.
 
     ``close()`` (or a ``with`` block) detaches the optimizer from the parameters' gradient hooks.
     """
