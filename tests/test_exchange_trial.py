@@ -118,6 +118,20 @@ def test_warm_up_steps_are_not_tried(clock):
     assert optimizer.exchange_trial.medians == pytest.approx((1.1, 0.6))
 
 
+@pytest.mark.parametrize("exchange", ["lanes", "two_stage", "auto"])
+def test_the_means_are_kept_without_a_copy_on_either_exchange(clock, exchange):
+    """One bucket: every gradient is a view of the exchange's one result, on the lanes as on the two-stage exchange
+    (``TwoStageMaxNorm.reuses_result``); with a selector (random-k) the lanes' result is the codec's buffer, copied."""
+    transport = _EqualWorkers(4, clock, {Reduction.SUM: 1.0})
+    model, optimizer = _optimizer(transport, exchange=exchange)
+    routes, _ = _steps(model, optimizer, transport, TRIAL_STEPS)
+    assert set(routes) == ({False, True} if exchange == "auto" else {exchange == "two_stage"})
+    assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+    assert not TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((4,))), exchange).reuses_result
+    random_k = hvdcomp.GlobalRandKMaxNorm(ratio=0.5).max_norm
+    assert TwoStageMaxNorm(random_k, "lanes" if exchange == "two_stage" else exchange).reuses_result
+
+
 @pytest.mark.parametrize("case", ["lanes", "two_stage", "error_feedback", "one_worker"])
 def test_no_trial_where_the_exchange_is_fixed_or_alone(clock, case):
     transport = _EqualWorkers(1 if case == "one_worker" else 4, clock, {})

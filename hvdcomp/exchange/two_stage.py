@@ -147,6 +147,13 @@ class TwoStageMaxNorm(ElementwiseCodec):
         self.reads_pieces = self.ahead is not None  # the encodes of an agreed scale read them in place
         self.trial = RouteTrial() if self._tried else None  # the lanes first, then the two-stage exchange
 
+    @property
+    def reuses_result(self) -> bool:
+        """``inner``'s (False without a selector): the two-stage exchange, like the lanes, decodes into a new tensor
+        each time, or into a buffer nothing else refers to any more (``hvdcomp.codec.recycle``), so the door keeps the
+        means without a copy."""
+        return self.inner.reuses_result
+
     def config(self) -> tuple:
         """What every worker must share: ``inner``'s configuration (bits, scale chunks, seed, rotation) and whether
         both stages feed back their errors (the exchange mode is the doors' own setting)."""
