@@ -41,18 +41,17 @@ class AgreedScales:
     def with_excess(self, key: Hashable, flat: torch.Tensor, pieces: Pieces | None = None) -> torch.Tensor | Pieces:
         """``flat`` plus the excess clipped from ``key``'s earlier exchanges (``flat`` itself when there is
         none, else a buffer reused every step); ``flat`` is never written. With ``pieces`` (the values, which
-        ``flat``, the caller's scratch, does not hold): ``pieces`` when there is no excess, else ``flat`` filled from
-        them plus the excess (one copy)."""
+        ``flat``, the caller's scratch, does not hold): ``pieces`` with the excess riding along as their addend
+        (``Pieces.plus``: the kernels add it where they read; no copy)."""
         excess = self._excess.get(key)
         if excess is None or excess[0].numel() == 0:
             return flat if pieces is None else pieces
         if pieces is not None:
-            summed = pieces.fill(flat)
-        else:
-            work = self._work.get(key)
-            if work is None or work.numel() != flat.numel() or work.device != flat.device:
-                work = self._work[key] = torch.empty_like(flat)
-            summed = work.copy_(flat)
+            return pieces.plus(*excess)
+        work = self._work.get(key)
+        if work is None or work.numel() != flat.numel() or work.device != flat.device:
+            work = self._work[key] = torch.empty_like(flat)
+        summed = work.copy_(flat)
         indices, values = excess
         return summed.index_add_(0, indices.to(flat.device), values.to(flat.device))
 
@@ -100,8 +99,8 @@ class AgreedScales:
     @staticmethod
     def check_state(state: Any) -> None:
         """``ValueError`` unless ``state`` is a ``state_dict()``: per key ``(numel, world_size, scales)`` with finite,
-        non-negative float32 scales ending in a 0 flag, and ``(indices, excess)`` of int64 indices and as many finite
-        values."""
+        non-negative float32 scales ending in a 0 flag, and ``(indices, excess)`` of strictly ascending non-negative
+        int64 indices and as many finite float32 values."""
         if not isinstance(state, dict) or set(state) != {"scales", "excess"}:
             raise ValueError(f"not an agreed-scale state: {state!r:.200}")
         for key, (_, _, scale_stats) in state["scales"].items():
@@ -112,9 +111,12 @@ class AgreedScales:
                 raise ValueError(f"the agreed scales of {key!r} are not finite, non-negative and flagged finite: "
                                  f"{scale_stats.tolist()[:8]}")
         for key, (indices, values) in state["excess"].items():
-            if indices.dtype != torch.int64 or indices.dim() != 1 or indices.shape != values.shape:
+            if (indices.dtype != torch.int64 or values.dtype != torch.float32 or indices.dim() != 1
+                    or indices.shape != values.shape):
                 raise ValueError(f"the clipped excess of {key!r} has {indices.dtype} indices {tuple(indices.shape)} "
-                                 f"and values {tuple(values.shape)}")
+                                 f"and {values.dtype} values {tuple(values.shape)}")
+            if indices.numel() and (int(indices[0]) < 0 or not bool((indices[1:] > indices[:-1]).all())):
+                raise ValueError(f"the clipped excess of {key!r} is not at ascending places")
             if not bool(torch.isfinite(values).all()):
                 raise ValueError(f"the clipped excess of {key!r} is not finite")
 

@@ -39,7 +39,8 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-st
 SANITIZE_ENV = "HVDCOMP_NATIVE_SANITIZE"
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined")
 _POINTER, _INT, _FLOAT, _DOUBLE = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
-_PIECES = (_POINTER, _POINTER, _INT, _INT)  # a flat vector in pieces (codec.pieces): pointers, ends, count, numel
+# a flat vector in pieces (codec.pieces): pointers, ends, count, numel; its sparse addend's places, values and count
+_PIECES = (_POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT)
 
 
 def compiler() -> str:

@@ -66,27 +66,40 @@ bool ends_within(const int64_t* ends, int64_t groups, int64_t numel) {
 }
 
 // A flat vector's values held as pieces one after another (a bucket's gradients, read in place: no copy into a flat
-// buffer): piece p holds values [ends[p - 1], ends[p]) at data[p]; a flat tensor is one piece.
+// buffer): piece p holds values [ends[p - 1], ends[p]) at data[p]; a flat tensor is one piece. Plus a sparse addend
+// (an excess owed from earlier steps, hvdcomp/codec/agreed.py): value added_at[k] reads as itself plus added[k] (one
+// float32 addition, as torch's index_add_), added_at strictly ascending.
 struct Pieces {
   const float* const* data;
   const int64_t* ends;  // cumulative
   int64_t count;
+  const int64_t* added_at;
+  const float* added;
+  int64_t added_count;
 
-  // Whether the ends are in order and end at numel (no piece: numel 0).
-  bool fit(int64_t numel) const { return ends_within(ends, count, numel) && (count ? ends[count - 1] : 0) == numel; }
+  // Whether the ends are in order and end at numel (no piece: numel 0), and the addend's places ascend within them.
+  bool fit(int64_t numel) const {
+    if (!ends_within(ends, count, numel) || (count ? ends[count - 1] : 0) != numel || added_count < 0) return false;
+    for (int64_t k = 0; k < added_count; ++k)
+      if (added_at[k] < (k ? added_at[k - 1] + 1 : 0) || added_at[k] >= numel) return false;
+    return true;
+  }
 
-  // Values [start, start + n) (within the pieces): where one piece holds them all, a pointer into it; else gathered
-  // into scratch (room for n values), which is returned.
+  // Values [start, start + n) (within the pieces): where one piece holds them all and nothing is added to them, a
+  // pointer into it; else gathered into scratch (room for n values) with the addend, which is returned.
   const float* span(int64_t start, int64_t n, float* scratch) const {
-    int64_t p = std::upper_bound(ends, ends + count, start) - ends;  // the piece that holds value start
     if (n <= 0) return scratch;
+    const int64_t* first_added = std::lower_bound(added_at, added_at + added_count, start);
+    const int64_t* end_added = std::lower_bound(first_added, added_at + added_count, start + n);
+    int64_t p = std::upper_bound(ends, ends + count, start) - ends;  // the piece that holds value start
     int64_t begin = p ? ends[p - 1] : 0;
-    if (start + n <= ends[p]) return data[p] + (start - begin);
+    if (start + n <= ends[p] && first_added == end_added) return data[p] + (start - begin);
     for (int64_t at = start; at < start + n; begin = ends[p++]) {
       const int64_t stop = std::min(ends[p], start + n);
       std::copy(data[p] + (at - begin), data[p] + (stop - begin), scratch + (at - start));
       at = stop;
     }
+    for (const int64_t* k = first_added; k != end_added; ++k) scratch[*k - start] += added[k - added_at];
     return scratch;
   }
 };
@@ -593,18 +606,19 @@ int64_t hvdcomp_uniform(const int64_t* stream_words, int64_t first, int64_t n, f
   return 0;
 }
 
-// Words of values [first, last) of the pieces (x: numel values, as Pieces holds them; whole lane blocks; values past
-// numel are lane value 0) into out[first / L ..):
+// Words of values [first, last) of the pieces (x: numel values, as Pieces holds them, with its addend; whole lane
+// blocks; values past numel are lane value 0) into out[first / L ..):
 // value i's lane holds sign(x_i) min(floor(|x_i| f_i + U_i), coarse) + coarse, f_i its group's coarse / M and
 // U_i the rounding stream's uniform i (quantize._encode_blocks_eager and _tail_levels_eager). With stats (not null,
 // groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite |x_i| of group g among those values),
 // and stats[groups] <- 1 where one of them is NaN or infinite (quantize.local_stats). With float_words (nonzero; words
 // of at most 52 bits) each word is written as the float64 of its value, for a float carrier (hvdcomp/codec/carrier.py).
 int64_t hvdcomp_encode(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count, int64_t numel,
-                       const int64_t* ends, const float* group_factors, int64_t groups, int64_t coarse, int64_t lanes,
-                       int64_t width, const int64_t* stream_words, int64_t first, int64_t last, int64_t* out,
-                       float* stats, int64_t float_words) {
-  const Pieces x{pieces, piece_ends, piece_count};
+                       const int64_t* added_at, const float* added, int64_t added_count, const int64_t* ends,
+                       const float* group_factors, int64_t groups, int64_t coarse, int64_t lanes, int64_t width,
+                       const int64_t* stream_words, int64_t first, int64_t last, int64_t* out, float* stats,
+                       int64_t float_words) {
+  const Pieces x{pieces, piece_ends, piece_count, added_at, added, added_count};
   if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || coarse < 0 || !lanes_fit(lanes, width) ||
       !whole_blocks(first, last, lanes) || (float_words && lanes * width > kFloatWordBits)) return kBadArgument;
   const int64_t chunk = chunk_values(lanes);
@@ -1119,10 +1133,11 @@ extern "C" {
 // out + r row_bytes. With stats (not null, groups + 1 floats), in the same pass: stats[g] <- max(stats[g], the finite
 // |x_i| of group g among the rows' values), stats[groups] <- 1 where one of them is NaN or infinite (local_stats).
 int64_t hvdcomp_encode_planes(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count,
-                              int64_t numel, const int64_t* ends, const float* group_factors, int64_t groups,
+                              int64_t numel, const int64_t* added_at, const float* added, int64_t added_count,
+                              const int64_t* ends, const float* group_factors, int64_t groups,
                               int64_t coarse, int64_t width, const int64_t* stream_words, int64_t chunk,
                               int64_t row_first, int64_t row_last, int64_t row_bytes, uint8_t* out, float* stats) {
-  const Pieces x{pieces, piece_ends, piece_count};
+  const Pieces x{pieces, piece_ends, piece_count, added_at, added, added_count};
   if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || coarse < 0 || !planes_fit(width) ||
       2 * coarse >= (int64_t{1} << width) || chunk < 0 || row_first < 0 || row_first > row_last ||
       row_bytes < width * plane_stride(chunk))
@@ -1426,9 +1441,10 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
 // excess[k] for k < capacity; *found <- how many there are, written or not. A block of 16 values none of which is
 // above the limit is read once, no branch each.
 int64_t hvdcomp_clip_excess(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count, int64_t numel,
-                            const int64_t* ends, const float* limits, const uint8_t* check, int64_t groups,
-                            int64_t capacity, int64_t* indices, float* excess, int64_t* found) {
-  const Pieces x{pieces, piece_ends, piece_count};
+                            const int64_t* added_at, const float* added, int64_t added_count, const int64_t* ends,
+                            const float* limits, const uint8_t* check, int64_t groups, int64_t capacity,
+                            int64_t* indices, float* excess, int64_t* found) {
+  const Pieces x{pieces, piece_ends, piece_count, added_at, added, added_count};
   if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || capacity < 0) return kBadArgument;
   if (!ends_within(ends, groups, numel)) return kBadArgument;
   alignas(32) float gathered[16];

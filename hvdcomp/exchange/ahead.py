@@ -117,7 +117,7 @@ class AheadMaxNorm(ElementwiseCodec):
                   pieces: Pieces | None) -> Exchange:
         memory, quantizer = self.memory, self.inner.quantizer
         numel = flat.numel()
-        values = memory.with_excess(key, flat, pieces)  # pieces only where nothing is added to them
+        values = memory.with_excess(key, flat, pieces)  # pieces: the excess rides along as their addend
         groups = quantizer.scale_groups(numel, layout)
         scale_stats = memory.scales(key, numel, world_size, groups.numel())
         if scale_stats is None or self.inner.rotation is not None or not native.usable(flat):  # the vector itself
