@@ -1438,8 +1438,8 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
 // The clipped excess (agreed.AgreedScales.clipped) in the groups g of the pieces' numel values (x, as Pieces holds
 // them) with check[g] nonzero (group g: values [ends[g - 1], ends[g]), cumulative, within numel): each value above its
 // group's limit in magnitude, in ascending order, as its index in indices[k] and x_i - clamp(x_i, -limit, limit) in
-// excess[k] for k < capacity; *found <- how many there are, written or not. A block of 16 values none of which is
-// above the limit is read once, no branch each.
+// excess[k] for k < capacity; *found <- how many there are, written or not. Each tile of up to kChunk values is read
+// where it lies (Pieces::span), and a block of 16 values none of which is above the limit once, no branch each.
 int64_t hvdcomp_clip_excess(const float* const* pieces, const int64_t* piece_ends, int64_t piece_count, int64_t numel,
                             const int64_t* added_at, const float* added, int64_t added_count, const int64_t* ends,
                             const float* limits, const uint8_t* check, int64_t groups, int64_t capacity,
@@ -1447,28 +1447,32 @@ int64_t hvdcomp_clip_excess(const float* const* pieces, const int64_t* piece_end
   const Pieces x{pieces, piece_ends, piece_count, added_at, added, added_count};
   if (numel < 0 || piece_count < 0 || !x.fit(numel) || groups < 0 || capacity < 0) return kBadArgument;
   if (!ends_within(ends, groups, numel)) return kBadArgument;
-  alignas(32) float gathered[16];
+  alignas(32) float gathered[kChunk];
   int64_t count = 0;
   for (int64_t g = 0; g < groups; ++g) {
     if (!check[g]) continue;
     const float limit = limits[g];
     const int64_t end = ends[g];
-    for (int64_t start = g ? ends[g - 1] : 0; start < end; start += 16) {
-      const int64_t n = std::min<int64_t>(16, end - start);
-      const float* xs = x.span(start, n, gathered);
-      if (n == 16) {
-        bool any = false;
-        for (int64_t j = 0; j < 16; ++j) any |= std::fabs(xs[j]) > limit;
-        if (!any) continue;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float v = xs[j];
-        if (!(std::fabs(v) > limit)) continue;
-        if (count < capacity) {
-          indices[count] = start + j;
-          excess[count] = v - std::clamp(v, -limit, limit);
+    for (int64_t tile = g ? ends[g - 1] : 0; tile < end; tile += kChunk) {
+      const int64_t length = std::min(kChunk, end - tile);
+      const float* values = x.span(tile, length, gathered);
+      for (int64_t at = 0; at < length; at += 16) {
+        const int64_t n = std::min<int64_t>(16, length - at);
+        const float* xs = values + at;
+        if (n == 16) {
+          bool any = false;
+          for (int64_t j = 0; j < 16; ++j) any |= std::fabs(xs[j]) > limit;
+          if (!any) continue;
         }
-        ++count;
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = xs[j];
+          if (!(std::fabs(v) > limit)) continue;
+          if (count < capacity) {
+            indices[count] = tile + at + j;
+            excess[count] = v - std::clamp(v, -limit, limit);
+          }
+          ++count;
+        }
       }
     }
   }
