@@ -11,7 +11,7 @@ import hvdcomp
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.exchange import MaxNormCodec, Op, Reduction, TwoStageMaxNorm
 from hvdcomp.exchange import runner as runner_module
-from hvdcomp.exchange.route import TRIAL_ROUNDS
+from hvdcomp.exchange.two_stage import EXCHANGE_TRIAL_ROUNDS as TRIAL_ROUNDS
 from tests.fakes import EchoTransport
 
 TRIAL_STEPS = 2 * (TRIAL_ROUNDS + 1)

@@ -83,14 +83,15 @@ def _worker():
 
     # 4. exchange="auto": trial seconds faked per rank (rank 0 alone finds the lanes slower), reduced by MAX: every
     # worker keeps the two-stage exchange
-    from hvdcomp.exchange.route import TRIAL_ROUNDS, RouteTrial
+    from hvdcomp.exchange.route import RouteTrial
+    from hvdcomp.exchange.two_stage import EXCHANGE_TRIAL_ROUNDS
 
     record = RouteTrial.record
     RouteTrial.record = lambda trial, seconds: record(trial, 2.0 if trial.second else 3.0 if rank == 0 else 1.0)
     net = model()
     with hvdcomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), exchange="auto",
                                       compression=hvdcomp.QSGDMaxNorm(6)) as optimizer:
-        for seed in range(2 * (TRIAL_ROUNDS + 1) + 2):
+        for seed in range(2 * (EXCHANGE_TRIAL_ROUNDS + 1) + 2):
             step(net, optimizer, seed)
         trial = optimizer.exchange_trial
         out["auto"] = {"choice": trial.choice, "medians": trial.medians, "stats": optimizer.stats.last_step.as_dict(),

@@ -75,6 +75,9 @@ from .protocol import Exchange, Op, last
 from .route import RouteTrial
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest chunk scale divided by
+# timed steps of each exchange in ``"auto"``'s trial: more than a route trial's, since the two are often within a few
+# per cent of each other and single steps spike by a fifth (docs/benchmarks.md#the-exchange-measured)
+EXCHANGE_TRIAL_ROUNDS = 5
 
 
 def stage_one_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -145,7 +148,8 @@ class TwoStageMaxNorm(ElementwiseCodec):
         if self.ahead is not None:
             self.bucket_mb = self.ahead.bucket_mb
         self.reads_pieces = self.ahead is not None  # the encodes of an agreed scale read them in place
-        self.trial = RouteTrial() if self._tried else None  # the lanes first, then the two-stage exchange
+        # the lanes first, then the two-stage exchange
+        self.trial = RouteTrial(EXCHANGE_TRIAL_ROUNDS) if self._tried else None
 
     @property
     def reuses_result(self) -> bool:
@@ -352,7 +356,7 @@ class TwoStageMaxNorm(ElementwiseCodec):
             raise ValueError(f"the saved exchange verdict must be None, True or False, got {verdict!r}")
         self.inner.load_state_dict(state["inner"])
         if self._tried:  # a verdict saved is kept, else the trial starts again
-            self.trial = RouteTrial(choice=verdict)
+            self.trial = RouteTrial(EXCHANGE_TRIAL_ROUNDS, choice=verdict)
         if self.ahead is not None:
             self.ahead.memory.load_state_dict(state["agreed"])
         if self.memory is not None:

@@ -353,8 +353,8 @@ def DistributedOptimizer(  # noqa: N802 (named like Horovod's factory)
         warmup_steps: the first ``warmup_steps`` steps exchange exact float32 means, the codec untouched;
             ``None``: the compressor's own ``warmup_steps`` if it has one, else 0.
         exchange: how max-norm levels travel: ``"lanes"`` (summed), ``"two_stage"`` (constant bits at any W, more
-            variance; ``hvdcomp.exchange.two_stage``) or ``"auto"``: the first ``2 (TRIAL_ROUNDS + 1)`` steps (8)
-            run the lanes, then the two-stage exchange, and the one whose median step was shorter on the slowest
+            variance; ``hvdcomp.exchange.two_stage``) or ``"auto"``: the first ``2 (EXCHANGE_TRIAL_ROUNDS + 1)`` steps
+            (12) run the lanes, then the two-stage exchange, and the one whose median step was shorter on the slowest
             worker is kept (``exchange_trial``; ``hvdcomp.exchange.route``). With error feedback, the cost
             model's pick per bucket.
 
