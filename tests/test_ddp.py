@@ -143,6 +143,15 @@ def _two_workers() -> dict:
         out["codecs"][name] = (params, before, _loss(run.model, 99).item(), torch.equal(params, other),
                                run.state.stats.total.inter_node_bytes / run.state.stats.steps)
 
+    # exchange="auto" through the hook: the runner times both exchanges and every worker keeps the same one
+    from hvdcomp.codec.quantize import MaxNormQuantizer
+    from hvdcomp.exchange import MaxNormCodec, TwoStageMaxNorm
+    from hvdcomp.exchange.two_stage import EXCHANGE_TRIAL_ROUNDS
+
+    auto = _Run(TwoStageMaxNorm(MaxNormCodec(MaxNormQuantizer((6,))), "auto", scale="ahead"))
+    params = auto.train(range(2 * (EXCHANGE_TRIAL_ROUNDS + 1) + 2))
+    out["auto"] = (auto.state.codec.trial.choice, auto.state.codec.trial.medians, params)
+
     # resume: 2 steps, checkpoint, a fresh DDP model (one bucket again at its first step) + load, 2 steps
     out["resume"] = {}
     for name in ("randk", "qsgd-multiscale", "powersgd", "fp16"):
@@ -292,6 +301,9 @@ def test_ddp_hook_on_two_gloo_workers():
         assert torch.isfinite(params).all() and after < before, (name, before, after)
         assert bucketing_invariant, name
         assert bytes_per_step < fp32_bytes or name == "none", (name, bytes_per_step)
+    choice, medians, params = results[0]["auto"]
+    assert choice is not None and all(out["auto"][:2] == (choice, medians) for out in results)
+    assert torch.equal(params, results[1]["auto"][2]) and torch.isfinite(params).all()
     birder_params, route, sent = results[0]["birder"]
     assert torch.equal(birder_params, results[1]["birder"][0]) and route == "world:sum" and sent > 0
     assert all(out["birder_chunked"][1:] == (route, sent) and torch.equal(out["birder_chunked"][0], birder_params)
