@@ -120,6 +120,9 @@ def test_pieces_that_do_not_fit_are_refused_and_nothing_is_written():
                                       1, 15, 5, rng.data_ptr(), 2500, 0, 2, 4 + 5 * 320, out.data_ptr(), None)
         with pytest.raises(ValueError, match="ascend strictly"):
             pieces.plus(places, added)
+    with pytest.raises(ValueError, match="refused"):  # an addend's count without its places and values
+        lib.hvdcomp_encode(pointers, piece_ends, count, numel, 0, 0, 2, ends.data_ptr(), factors.data_ptr(), 1, 15, 10,
+                           6, rng.data_ptr(), 0, 4960, out.data_ptr(), None, 0)
     assert bool((out == -7).all()) and int(found) == -7 and bool((indices == -7).all())
     with pytest.raises(ValueError, match="refused"):  # no pieces for values
         lib.hvdcomp_encode(pointers, piece_ends, 0, numel, *no_addend, ends.data_ptr(), factors.data_ptr(), 1, 15,

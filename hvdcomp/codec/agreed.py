@@ -16,7 +16,7 @@ import torch
 
 from . import native
 from .native_excess import clipped_excess
-from .pieces import Pieces
+from .pieces import Pieces, ascending_within
 from .quantize import MaxNormQuantizer
 
 
@@ -115,7 +115,7 @@ class AgreedScales:
                     or indices.shape != values.shape):
                 raise ValueError(f"the clipped excess of {key!r} has {indices.dtype} indices {tuple(indices.shape)} "
                                  f"and {values.dtype} values {tuple(values.shape)}")
-            if indices.numel() and (int(indices[0]) < 0 or not bool((indices[1:] > indices[:-1]).all())):
+            if not ascending_within(indices):
                 raise ValueError(f"the clipped excess of {key!r} is not at ascending places")
             if not bool(torch.isfinite(values).all()):
                 raise ValueError(f"the clipped excess of {key!r} is not finite")

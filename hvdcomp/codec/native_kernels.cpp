@@ -77,9 +77,12 @@ struct Pieces {
   const float* added;
   int64_t added_count;
 
-  // Whether the ends are in order and end at numel (no piece: numel 0), and the addend's places ascend within them.
+  // Whether the ends are in order and end at numel (no piece: numel 0), and the addend (given where it has places)
+  // ascends strictly within them.
   bool fit(int64_t numel) const {
-    if (!ends_within(ends, count, numel) || (count ? ends[count - 1] : 0) != numel || added_count < 0) return false;
+    if (!ends_within(ends, count, numel) || (count ? ends[count - 1] : 0) != numel || added_count < 0 ||
+        (added_count > 0 && (added_at == nullptr || added == nullptr)))
+      return false;
     for (int64_t k = 0; k < added_count; ++k)
       if (added_at[k] < (k ? added_at[k - 1] + 1 : 0) || added_at[k] >= numel) return false;
     return true;

@@ -52,8 +52,7 @@ class Pieces:
                 and places.numel() == values.numel() and places.device.type == values.device.type == "cpu"):
             raise ValueError(f"an addend is int64 [k] places and float32 [k] values on the CPU, not {places.dtype} "
                              f"{tuple(places.shape)} and {values.dtype} {tuple(values.shape)}")
-        if places.numel() and (int(places[0]) < 0 or int(places[-1]) >= self.numel
-                               or not bool((places[1:] > places[:-1]).all())):
+        if not ascending_within(places, self.numel):
             raise ValueError(f"an addend's places ascend strictly within the {self.numel} values")
         summed = copy.copy(self)
         summed.added = (places.contiguous(), values.contiguous())
@@ -81,6 +80,14 @@ class Pieces:
         for tensor, part in zip(self.tensors, flat.split(self.lengths)):  # torch.cat rounds to another dtype slower
             part.copy_(tensor)
         return flat
+
+
+def ascending_within(places: torch.Tensor, numel: int | None = None) -> bool:
+    """Whether int64 ``places`` (``[k]``) ascend strictly from 0 on (and stay below ``numel``, where given): as an
+    addend's places and a clipped excess's indices do."""
+    if not places.numel():
+        return True
+    return int(places[0]) >= 0 and (numel is None or int(places[-1]) < numel) and bool((places[1:] > places[:-1]).all())
 
 
 def checked_pieces(pieces: Pieces | None, flat: torch.Tensor, reads: bool) -> None:
