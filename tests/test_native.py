@@ -32,7 +32,7 @@ from hvdcomp.codec.onebit import (
     unpack_bit_rows,
     unpack_lane_values,
 )
-from hvdcomp.codec.packing import LaneLayout, bits_to_bytes, pack_lane_blocks
+from hvdcomp.codec.packing import LaneLayout, bits_to_bytes, lane_block_words, pack_lane_blocks
 from hvdcomp.codec.quantize import MaxNormQuantizer
 from hvdcomp.codec.random import stream_words, uniform
 from hvdcomp.codec.recycle import ResultBuffers
@@ -40,6 +40,7 @@ from hvdcomp.exchange import AheadMaxNorm, MaxNormCodec
 from hvdcomp.exchange.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
+STREAM_VALUES = 1 << 18  # native_kernels.cpp's kStreamValues: a call writing this many means streams them
 SIZES = [0, 1, 2, 31, 33, 191, 192, 193, 4099, 65536 + 5, 300_007]
 # (bits, world size, word bits): lane widths from 2 to 32 bits, 1 to 31 lanes per word
 LAYOUTS = [((1,), 1, 63), ((2,), 2, 63), ((2,), 8, 63), ((4,), 5, 48), ((8,), 8, 63), ((8,), 3, 20),
@@ -349,6 +350,32 @@ def test_a_held_result_is_never_rewritten(ahead):
     pointers = [m.data_ptr() for m in later]
     del held, later
     assert [m.data_ptr() for m in exchange(3)] == pointers
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_means_streamed_past_the_caches_equal_eager(misaligned, threads, build):
+    """A range of STREAM_VALUES means or more is stored past the caches where 32-byte aligned (one thread here),
+    plainly where not (misaligned, or three threads' shorter ranges): QSGD's and Birder's means as eager."""
+    numel, world_size = 2 * STREAM_VALUES + 1001, 3
+    quantizer = MaxNormQuantizer((4,))
+    x = _gradient(numel, 1)
+    groups = _groups(quantizer, numel)
+    stats = quantizer.local_stats(x, groups)
+    sums = quantizer.encode(x, stats, groups, None, world_size, 63, stream_words(1, "streamed")) * world_size
+    out = torch.full((numel + 1,), 7.0)[int(misaligned):][:numel]
+    means = quantizer.decode(sums, stats, groups, None, numel, world_size, 63, out=out)
+    with fused.eager():
+        want = quantizer.decode(sums, stats, groups, None, numel, world_size, 63)
+    assert means.data_ptr() == out.data_ptr() and torch.equal(means, want)
+    layout = LaneLayout(span=1, world_size=world_size)
+    padded = lane_block_words(numel, layout.lanes_per_word) * layout.lanes_per_word  # whole lane blocks
+    counts = torch.randint(0, world_size + 1, (padded,), generator=torch.Generator().manual_seed(1))
+    words = pack_lane_blocks(counts, layout.lane_shifts())
+    out = torch.full((counts.numel() + 1,), 7.0)[int(misaligned):]
+    means = mean_from_lane_sums(words, layout, numel, out)
+    with fused.eager():
+        want = mean_from_lane_sums(words, layout, numel)
+    assert means.data_ptr() == out.data_ptr() and torch.equal(means, want)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8, 64, 1 << 20])

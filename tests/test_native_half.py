@@ -5,7 +5,7 @@ fit."""
 
 import pytest
 import torch
-from test_native import _native_on, build, other_builds, threads  # noqa: F401 (fixtures)
+from test_native import STREAM_VALUES, _native_on, build, other_builds, threads  # noqa: F401 (fixtures)
 
 from hvdcomp.codec import fused, half, native, native_half
 
@@ -31,6 +31,17 @@ def test_every_value_equals_the_eager_mean(build, threads, dtype, world_size):  
     out, expected = torch.full(sums.shape, 7.0), torch.empty(sums.shape)
     assert native_half.half_mean(sums, world_size, out, check_finite=False)
     half._mean_eager(sums, world_size, expected)
+    assert _same(out, expected)
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_means_streamed_past_the_caches_equal_eager(build, threads, misaligned):  # noqa: F811 (the fixtures)
+    """A range of STREAM_VALUES means or more is stored past the caches where 32-byte aligned (one thread here),
+    plainly where not (misaligned, or three threads' shorter ranges): the same means either way."""
+    sums = _every_value(torch.float16, copies=-(-STREAM_VALUES // 2**16) + 1)
+    out, expected = torch.full((sums.numel() + 1,), 7.0)[int(misaligned):][:sums.numel()], torch.empty(sums.shape)
+    assert native_half.half_mean(sums, 3, out, check_finite=True) is False  # the infinities among every value
+    half._mean_eager(sums, 3, expected)
     assert _same(out, expected)
 
 

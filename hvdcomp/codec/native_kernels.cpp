@@ -22,6 +22,10 @@ namespace {
 
 constexpr int64_t kBlockWords = 16;  // packing.LANE_BLOCK_WORDS
 constexpr int64_t kChunk = 4096;     // at most this many values per pass through the stack buffers
+// A kernel call that writes at least this many float32 means (1 MiB, a bucket's; tests/test_native.py's
+// STREAM_VALUES) stores them past the caches: nothing reads them before the optimizer, and a plain store first reads
+// each line from memory (docs/benchmarks.md#means-stored-past-the-caches).
+constexpr int64_t kStreamValues = int64_t{1} << 18;
 constexpr uint32_t kMultiplier0 = 0xD2511F53u, kMultiplier1 = 0xCD9E8D57u;
 constexpr uint32_t kKeyStep0 = 0x9E3779B9u, kKeyStep1 = 0xBB67AE85u;
 constexpr int kRounds = 7;                    // random.PHILOX_ROUNDS
@@ -338,6 +342,16 @@ void fill_factors(int64_t start, int64_t n, const int64_t* ends, const float* gr
 }
 
 #if defined(__AVX2__)
+// out[0..8) <- v: streamed past the caches (stream: a call of at least kStreamValues means) where out is 32-byte
+// aligned, else a plain store. A kernel that streams ends with _mm_sfence.
+inline void store_means8(float* out, __m256 v, bool stream) {
+  if (stream && (reinterpret_cast<uintptr_t>(out) & 31) == 0) {
+    _mm256_stream_ps(out, v);
+  } else {
+    _mm256_storeu_ps(out, v);
+  }
+}
+
 // Lane values (below 2**31) of 8 consecutive words as int32: (word >> shift) & mask. A logical shift: the masked
 // bits lie below bit 63 - shift, where it equals the reference's arithmetic one.
 inline __m256i lanes_of_8_words(const int64_t* words, __m128i shift, __m256i masks) {
@@ -355,13 +369,13 @@ inline __m256i lanes_of_8_words(const int64_t* words, __m128i shift, __m256i mas
 // factor factors[j] of value j, or factors[0] for all of them (kOneFactor: values of one scale group).
 template <bool kOneFactor>
 inline void decode_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t offset, const float* factors,
-                             float* out) {
+                             bool stream, float* out) {
   const __m128i count = _mm_cvtsi64_si128(shift);
   const __m256i masks = _mm256_set1_epi64x(mask), offsets = _mm256_set1_epi32(static_cast<int>(offset));
   for (int j = 0; j < kBlockWords; j += 8) {
     const __m256 values = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes_of_8_words(words + j, count, masks), offsets));
     const __m256 scale = kOneFactor ? _mm256_set1_ps(factors[0]) : _mm256_loadu_ps(factors + j);
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(values, scale));
+    store_means8(out + j, _mm256_mul_ps(values, scale), stream);
   }
 }
 
@@ -491,14 +505,15 @@ inline bool encode_one_group(const float* x, const float* noise, int64_t n, floa
 }
 
 // The 16 means of one lane of a block of 16 words of +1 counts over `group` workers: (2 count - group) / group.
-inline void counts_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t group, float* out) {
+inline void counts_lane_avx2(const int64_t* words, int64_t shift, int64_t mask, int64_t group, bool stream,
+                             float* out) {
   const __m128i count = _mm_cvtsi64_si128(shift);
   const __m256i masks = _mm256_set1_epi64x(mask), groups = _mm256_set1_epi32(static_cast<int>(group));
   const __m256 divisor = _mm256_set1_ps(static_cast<float>(group));
   for (int j = 0; j < kBlockWords; j += 8) {
     const __m256i counts = lanes_of_8_words(words + j, count, masks);
     const __m256i signed_sums = _mm256_sub_epi32(_mm256_add_epi32(counts, counts), groups);
-    _mm256_storeu_ps(out + j, _mm256_div_ps(_mm256_cvtepi32_ps(signed_sums), divisor));
+    store_means8(out + j, _mm256_div_ps(_mm256_cvtepi32_ps(signed_sums), divisor), stream);
   }
 }
 #endif
@@ -667,6 +682,7 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
   if (groups < 0 || limit < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes), mask = (int64_t{1} << width) - 1;
   const bool narrow = width < 31;  // lane values and offset fit int32: the conversion vectorizes
+  [[maybe_unused]] const bool stream = std::min(last, limit) - first >= kStreamValues;
   alignas(32) float factors[kChunk], spill[kBlockWords * 64];  // spill: the block that limit cuts
   for (int64_t start = first; start < std::min(last, limit); start += chunk) {
     const int64_t n = std::min(chunk, last - start);
@@ -683,9 +699,9 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
         if (narrow) {
 #if defined(__AVX2__)
           if (g >= 0) {
-            decode_lane_avx2<true>(w, l * width, mask, offset, group_factors + g, out + i);
+            decode_lane_avx2<true>(w, l * width, mask, offset, group_factors + g, stream && out != spill, out + i);
           } else {
-            decode_lane_avx2<false>(w, l * width, mask, offset, f + i, out + i);
+            decode_lane_avx2<false>(w, l * width, mask, offset, f + i, stream && out != spill, out + i);
           }
 #else
           for (int64_t j = 0; j < kBlockWords; ++j)
@@ -701,6 +717,9 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
       if (out == spill) std::copy(spill, spill + kept, means + at);
     }
   }
+#if defined(__AVX2__)
+  if (stream) _mm_sfence();
+#endif
   return 0;
 }
 
@@ -858,19 +877,23 @@ int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t wid
   if (!lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, mask = (int64_t{1} << width) - 1;
   const float divisor = static_cast<float>(group);
+  [[maybe_unused]] const bool stream = last - first >= kStreamValues;
   for (int64_t k = first / per_block; k < last / per_block; ++k)
     for (int64_t l = 0; l < lanes; ++l) {
       const int64_t* w = word_sums + k * kBlockWords;
       float* out = means + k * per_block + l * kBlockWords;
 #if defined(__AVX2__)
       if (width < 31) {
-        counts_lane_avx2(w, l * width, mask, group, out);
+        counts_lane_avx2(w, l * width, mask, group, stream, out);
         continue;
       }
 #endif
       for (int64_t j = 0; j < kBlockWords; ++j)
         out[j] = static_cast<float>(2 * ((w[j] >> (l * width)) & mask) - group) / divisor;
     }
+#if defined(__AVX2__)
+  if (stream) _mm_sfence();
+#endif
   return 0;
 }
 
@@ -1419,15 +1442,17 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
   bool bad = false;
 #if defined(__AVX2__) && defined(__F16C__)
   const __m256 divisors = _mm256_set1_ps(divisor), sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+  const bool stream = last - first >= kStreamValues;
   int bad_lanes = 0;
   for (; i + 8 <= last; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + i));
     const __m256 wide = kind == kBFloat16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
                                           : _mm256_cvtph_ps(h);
     const __m256 mean = _mm256_div_ps(wide, divisors);
-    _mm256_storeu_ps(out + i, mean);
+    store_means8(out + i, mean, stream);
     bad_lanes |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, mean), largest, _CMP_LE_OQ)) ^ 0xFF;
   }
+  if (stream) _mm_sfence();
   bad = bad_lanes != 0;
 #endif
   for (; i < last; ++i) {
