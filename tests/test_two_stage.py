@@ -267,12 +267,14 @@ def kernels_on(monkeypatch):
 @pytest.mark.usefixtures("kernels_on", "build")  # this CPU's build, then test_native's others
 @pytest.mark.parametrize("world_size,bits,numel,chunk_size", [(2, 4, 10_001, None), (3, 2, 25_000, 1000),
                                                               (4, 8, 8, None), (5, 16, 4_099, 333), (7, 1, 61, None),
-                                                              (2, 3, 300_000, 70_000), (3, 7, 1_000, None)])
+                                                              (2, 3, 300_000, 70_000), (3, 7, 1_000, None),
+                                                              (2, 4, 1_100_001, None)])
 def test_native_kernels_exchange_the_eager_bits(world_size, bits, numel, chunk_size):
     """The native kernels (stage one's planes, the owner's sum and re-quantization, the decode) give the eager
     reference's messages and result bit for bit, in every build: sizes off the 8-value plane groups, the 64-value
     groups of the AVX-512 loops and the 4096-value tiles, chunks straddling scale groups, 1 to 17-bit planes (8 bits
-    exactly: 7-bit levels), several threads."""
+    exactly: 7-bit levels), several threads; a decode long enough to stream its means past the caches (rows of an odd
+    length: each starts off a 32-byte boundary)."""
     grads = _grads(world_size, numel, seed=bits)
     segments = [numel // 3, numel - numel // 3]
 

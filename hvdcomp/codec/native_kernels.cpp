@@ -1272,6 +1272,7 @@ int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t 
   const int64_t stride = plane_stride(chunk);
   const float levels = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
+  [[maybe_unused]] const bool stream = std::min(row_last * chunk, numel) - row_first * chunk >= kStreamValues;
   alignas(32) float factors[kChunk];
   alignas(32) int32_t values[kChunk + 8];
   for (int64_t r = row_first; r < row_last; ++r)
@@ -1282,9 +1283,28 @@ int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t 
       unpack_tile(planes + r * row_bytes, at, valid, width, stride, values);
       fill_factors(start, valid, ends, group_factors, groups, factors);
       const float row_factor = row_factors[r];
-      for (int64_t i = 0; i < valid; ++i)
-        out[start + i] = static_cast<float>(values[i] - offset) * row_factor * factors[i] * levels;
+      float* means = out + start;
+      const auto mean_of = [&](int64_t i) {
+        return static_cast<float>(values[i] - offset) * row_factor * factors[i] * levels;
+      };
+      int64_t i = 0;
+#if defined(__AVX2__)
+      // one value at a time up to a 32-byte boundary (rows start anywhere), then 8 at a time
+      for (; i < valid && (reinterpret_cast<uintptr_t>(means + i) & 31) != 0; ++i) means[i] = mean_of(i);
+      const __m256 row_factors8 = _mm256_set1_ps(row_factor), levels8 = _mm256_set1_ps(levels);
+      const __m256i offsets = _mm256_set1_epi32(offset);
+      for (; i + 8 <= valid; i += 8) {
+        const __m256i v = _mm256_sub_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i)), offsets);
+        const __m256 scaled = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), row_factors8),
+                                            _mm256_loadu_ps(factors + i));
+        store_means8(means + i, _mm256_mul_ps(scaled, levels8), stream);
+      }
+#endif
+      for (; i < valid; ++i) means[i] = mean_of(i);
     }
+#if defined(__AVX2__)
+  if (stream) _mm_sfence();
+#endif
   return 0;
 }
 
