@@ -28,8 +28,8 @@ default): Birder times both routes on its first steps (``hvdcomp.exchange.route`
 ``:two_stage`` (``hvdcomp:qsgd<bits>`` and ``hvdcomp:birder``) passes ``exchange="two_stage"``: the
 constant-bit exchange of ``hvdcomp.exchange.two_stage`` instead of summed lanes (``QSGDMaxNorm`` with its default
 scale, agreed ahead); ``:auto_exchange`` (the same schemes) passes ``exchange="auto"``, which leaves that choice to
-the optimizer (``hvdcomp:qsgd<bits>``: its trial takes ``2 (EXCHANGE_TRIAL_ROUNDS + 1) + 1`` steps, 13, before the
-exchange it keeps runs; give ``--warmup`` at least that). ``:hsdp`` (``fsdp`` and
+the optimizer (``hvdcomp:qsgd<bits>``: its trial takes the first ``2 (EXCHANGE_TRIAL_ROUNDS + 1)`` steps, 12, and
+the exchange it keeps runs from the next; give ``--warmup`` at least 12). ``:hsdp`` (``fsdp`` and
 ``hvdcomp-fsdp``) shards inside each node and replicates across nodes (HSDP): full precision inside, and for
 ``hvdcomp-fsdp`` the codec across nodes; it needs several workers per node.
 

@@ -343,7 +343,7 @@ void fill_factors(int64_t start, int64_t n, const int64_t* ends, const float* gr
 
 #if defined(__AVX2__)
 // out[0..8) <- v: streamed past the caches (stream: a call of at least kStreamValues means) where out is 32-byte
-// aligned, else a plain store. A kernel that streams ends with _mm_sfence.
+// aligned, else a plain store. A kernel that streams ends with end_streaming.
 inline void store_means8(float* out, __m256 v, bool stream) {
   if (stream && (reinterpret_cast<uintptr_t>(out) & 31) == 0) {
     _mm256_stream_ps(out, v);
@@ -351,7 +351,16 @@ inline void store_means8(float* out, __m256 v, bool stream) {
     _mm256_storeu_ps(out, v);
   }
 }
+#endif
 
+// Orders a kernel's streamed stores (store_means8) before anything its caller does next.
+inline void end_streaming([[maybe_unused]] bool stream) {
+#if defined(__AVX2__)
+  if (stream) _mm_sfence();
+#endif
+}
+
+#if defined(__AVX2__)
 // Lane values (below 2**31) of 8 consecutive words as int32: (word >> shift) & mask. A logical shift: the masked
 // bits lie below bit 63 - shift, where it equals the reference's arithmetic one.
 inline __m256i lanes_of_8_words(const int64_t* words, __m128i shift, __m256i masks) {
@@ -682,7 +691,7 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
   if (groups < 0 || limit < 0 || !lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, chunk = chunk_values(lanes), mask = (int64_t{1} << width) - 1;
   const bool narrow = width < 31;  // lane values and offset fit int32: the conversion vectorizes
-  [[maybe_unused]] const bool stream = std::min(last, limit) - first >= kStreamValues;
+  const bool stream = std::min(last, limit) - first >= kStreamValues;
   alignas(32) float factors[kChunk], spill[kBlockWords * 64];  // spill: the block that limit cuts
   for (int64_t start = first; start < std::min(last, limit); start += chunk) {
     const int64_t n = std::min(chunk, last - start);
@@ -717,9 +726,7 @@ int64_t hvdcomp_decode(const int64_t* word_sums, const int64_t* ends, const floa
       if (out == spill) std::copy(spill, spill + kept, means + at);
     }
   }
-#if defined(__AVX2__)
-  if (stream) _mm_sfence();
-#endif
+  end_streaming(stream);
   return 0;
 }
 
@@ -877,7 +884,7 @@ int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t wid
   if (!lanes_fit(lanes, width) || !whole_blocks(first, last, lanes)) return kBadArgument;
   const int64_t per_block = kBlockWords * lanes, mask = (int64_t{1} << width) - 1;
   const float divisor = static_cast<float>(group);
-  [[maybe_unused]] const bool stream = last - first >= kStreamValues;
+  const bool stream = last - first >= kStreamValues;
   for (int64_t k = first / per_block; k < last / per_block; ++k)
     for (int64_t l = 0; l < lanes; ++l) {
       const int64_t* w = word_sums + k * kBlockWords;
@@ -891,9 +898,7 @@ int64_t hvdcomp_counts_mean(const int64_t* word_sums, int64_t lanes, int64_t wid
       for (int64_t j = 0; j < kBlockWords; ++j)
         out[j] = static_cast<float>(2 * ((w[j] >> (l * width)) & mask) - group) / divisor;
     }
-#if defined(__AVX2__)
-  if (stream) _mm_sfence();
-#endif
+  end_streaming(stream);
   return 0;
 }
 
@@ -1272,7 +1277,7 @@ int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t 
   const int64_t stride = plane_stride(chunk);
   const float levels = static_cast<float>(coarse);
   const int32_t offset = static_cast<int32_t>(coarse);
-  [[maybe_unused]] const bool stream = std::min(row_last * chunk, numel) - row_first * chunk >= kStreamValues;
+  const bool stream = std::min(row_last * chunk, numel) - row_first * chunk >= kStreamValues;
   alignas(32) float factors[kChunk];
   alignas(32) int32_t values[kChunk + 8];
   for (int64_t r = row_first; r < row_last; ++r)
@@ -1302,9 +1307,7 @@ int64_t hvdcomp_decode_planes(const uint8_t* planes, int64_t row_bytes, int64_t 
 #endif
       for (; i < valid; ++i) means[i] = mean_of(i);
     }
-#if defined(__AVX2__)
-  if (stream) _mm_sfence();
-#endif
+  end_streaming(stream);
   return 0;
 }
 
@@ -1472,7 +1475,7 @@ int64_t hvdcomp_half_mean(const uint16_t* sums, int64_t n, int64_t kind, float d
     store_means8(out + i, mean, stream);
     bad_lanes |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, mean), largest, _CMP_LE_OQ)) ^ 0xFF;
   }
-  if (stream) _mm_sfence();
+  end_streaming(stream);
   bad = bad_lanes != 0;
 #endif
   for (; i < last; ++i) {
