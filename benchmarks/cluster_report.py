@@ -12,9 +12,12 @@ from typing import Any
 from cluster_schemes import SIXTEEN_BIT_PEERS
 
 FP32_BASELINE = "horovod:fp32"
+FLOOR = "local:sgd"  # no exchange: the fastest a step can be (cluster_schemes)
 DETAIL_CHARS = 100  # of a hang's or error's detail in the table (the JSON keeps it whole)
-FAMILY_LINES = {"hvdcomp": "-", "horovod": "--", "ddp": ":", "stock": "-.", "hvdcomp-ddp": (0, (5, 1, 1, 1, 1, 1))}
+FAMILY_LINES = {"hvdcomp": "-", "horovod": "--", "ddp": ":", "stock": "-.", "hvdcomp-ddp": (0, (5, 1, 1, 1, 1, 1)),
+                "local": (0, (1, 4))}
 SECONDS = ("compress_s", "communicate_s", "decompress_s")
+CPU_SECONDS = ("main_cpu_s", "process_cpu_s")
 
 
 def summarize(base: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -22,11 +25,13 @@ def summarize(base: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, An
     workers_per_node, rate, model, ...). A step lasts until its slowest worker is done, so each timed
     step counts the max over ranks; ``median_s``/``min_s`` are over the timed steps. Bits per element
     between nodes: what each worker handed to cross-node collectives (hvdcomp's ``inter_node_bytes``
-    per parameter), else the peer's payload width; the codec seconds are means over ranks, medians
-    over steps."""
+    per parameter), else the peer's payload width; the codec seconds and the CPU seconds (``main_cpu_s``, of the
+    thread that steps; ``process_cpu_s``, of all the worker's threads) are means over ranks, medians over steps."""
     step_s = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
     record = {**base, "status": "ok", "detail": "", "elements": ranks[0]["elements"], "step_s": step_s,
               "median_s": statistics.median(step_s), "min_s": min(step_s),
+              **{name: statistics.median(map(statistics.fmean, zip(*(rank[name] for rank in ranks))))
+                 for name in CPU_SECONDS},
               "bits_per_element": ranks[0]["payload_bits"], **{name: None for name in SECONDS},
               "codec_ns_per_element": None}
     traffic = [rank["traffic"] for rank in ranks]
@@ -53,7 +58,8 @@ def codec_ns_per_element(record: dict[str, Any]) -> float | None:
 def failed(base: dict[str, Any], status: str, detail: str) -> dict[str, Any]:
     """A record for a scheme that hung (``status="hang"``) or failed (``"error"``); no timings."""
     return {**base, "status": status, "detail": detail, "median_s": None, "min_s": None, "step_s": [],
-            "bits_per_element": None, **{name: None for name in SECONDS}, "codec_ns_per_element": None}
+            **{name: None for name in CPU_SECONDS}, "bits_per_element": None, **{name: None for name in SECONDS},
+            "codec_ns_per_element": None}
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -67,30 +73,34 @@ def best_16_bit_peer(medians: dict[str, float]) -> str | None:
 
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown table of the records of one cluster shape and rate, in their order; speed-ups are a
-    baseline's median over the scheme's median (``×1.5``: 1.5 times as fast): ``horovod:fp32``'s, and the best
+    baseline's median over the scheme's median (``×1.5``: 1.5 times as fast): ``horovod:fp32``'s, the best
     16-bit peer's (the fastest of ``horovod:fp16``, ``ddp:fp16`` and ``ddp:bf16`` among these records, named in
-    the header); a hang or error shows its status and the start of its detail."""
+    the header), and the floor's (``local:sgd``, no exchange: ``×0.80`` is 80 % of the speed of a step without
+    one); a hang or error shows its status and the start of its detail."""
     medians = {r["scheme"]: r["median_s"] for r in records if r["status"] == "ok"}
     peer = best_16_bit_peer(medians)
-    baselines = (FP32_BASELINE, peer)
-    lines = ["| scheme | bits/element between nodes | median s | min s | compress s | communicate s | decompress s"
-             f" | codec ns/element | vs {FP32_BASELINE} | vs best 16-bit peer ({peer or 'none ran'}) |",
-             "|---" * (8 + len(baselines)) + "|"]
+    baselines = (FP32_BASELINE, peer, FLOOR)
+    lines = ["| scheme | bits/element between nodes | median s | min s | CPU s: main thread / all | compress s "
+             f"| communicate s | decompress s | codec ns/element | vs {FP32_BASELINE} "
+             f"| vs best 16-bit peer ({peer or 'none ran'}) | vs {FLOOR} (no exchange) |",
+             "|---" * (9 + len(baselines)) + "|"]
     for r in records:
         if r["status"] != "ok":
             detail = r["detail"] if len(r["detail"]) <= DETAIL_CHARS else r["detail"][:DETAIL_CHARS] + "…"
-            lines.append(f"| {r['scheme']} | – | {r['status']}: {detail} |" + " – |" * (5 + len(baselines)))
+            lines.append(f"| {r['scheme']} | – | {r['status']}: {detail} |" + " – |" * (6 + len(baselines)))
             continue
         speedups = [f"×{medians[b] / r['median_s']:.2f}" if b in medians else "–" for b in baselines]
         cells = [r["scheme"], _number(r["bits_per_element"], 2), _number(r["median_s"], 3), _number(r["min_s"], 3),
-                 *(_number(r[name], 3) for name in SECONDS), _number(r["codec_ns_per_element"], 2), *speedups]
+                 " / ".join(_number(r[name], 3) for name in CPU_SECONDS), *(_number(r[name], 3) for name in SECONDS),
+                 _number(r["codec_ns_per_element"], 2), *speedups]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(records: list[dict[str, Any]], path: str) -> None:
     """PNG of median seconds per exchange against link rate (log axes), one line per scheme, line style by
-    family (hvdcomp solid, Horovod dashed, DDP dotted, stock dash-dot, hvdcomp-ddp dash-dot-dot)."""
+    family (hvdcomp solid, Horovod dashed, DDP dotted, stock dash-dot, hvdcomp-ddp dash-dot-dot, the floor sparsely
+    dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,7 +19,10 @@ Families:
 - ``fsdp``: torch FSDP2 (``fully_shard``) over Gloo with its own reduce-scatter, ``fp32`` or ``bf16``
   (``reduce_dtype=torch.bfloat16``);
 - ``hvdcomp-fsdp``: FSDP2 with ``hvdcomp.fsdp.register``'s reduce-scatter and the ``hvdcomp-ddp`` codec of the
-  element-wise variants (``none``, ``fp16``, ``qsgd<bits>``, ``multiscale48``, ``randk1``).
+  element-wise variants (``none``, ``fp16``, ``qsgd<bits>``, ``multiscale48``, ``randk1``);
+- ``local``: ``sgd``, each worker's torch SGD step on its own gradient, with no exchange at all (Horovod workers,
+  for the barrier only): the floor of a timed step on this machine, which no scheme can beat. Its speed-up over
+  ``horovod:fp32`` is the most any scheme could gain in the same run (docs/benchmarks.md#the-floor-of-a-step).
 
 ``:auto`` (``hvdcomp:birder`` and ``hvdcomp-ddp:birder``) leaves the route open (``hierarchical=None``, Birder's
 default): Birder times both routes on its first steps (``hvdcomp.exchange.route``; give ``--warmup`` at least
@@ -49,6 +52,7 @@ FAMILIES = {
     "stock": ("qsgd<bits>",),
     "fsdp": ("fp32", "bf16"),
     "hvdcomp-fsdp": ("none", "fp16", "qsgd<bits>", "multiscale48", "randk1"),
+    "local": ("sgd",),
 }
 QSGD = re.compile(r"qsgd([1-9]|1[0-6])")
 HIERARCHICAL_FAMILIES = ("hvdcomp", "hvdcomp-ddp")
@@ -61,12 +65,12 @@ DEFAULT = ("horovod:fp32", "horovod:fp16", "ddp:fp32", "ddp:fp16", "ddp:bf16", "
            "hvdcomp:fp16", "hvdcomp:bf16", "hvdcomp:qsgd2", "hvdcomp:qsgd4", "hvdcomp:qsgd8", "hvdcomp:multiscale48",
            "hvdcomp:randk1", "hvdcomp:powersgd1", "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:fp16",
            "hvdcomp-ddp:bf16", "hvdcomp-ddp:qsgd4",
-           "hvdcomp-ddp:powersgd1")  # the other hvdcomp-ddp ones on request (--schemes)
+           "hvdcomp-ddp:powersgd1", "local:sgd")  # the other hvdcomp-ddp ones on request (--schemes)
 HIERARCHICAL_DEFAULT = ("hvdcomp:fp16:hier", "hvdcomp:qsgd4:hier", "hvdcomp:powersgd1:hier", "hvdcomp:birder:hier")
 FSDP_DEFAULT = ("fsdp:fp32", "fsdp:bf16", "hvdcomp-fsdp:qsgd4")
 FSDP_HIERARCHICAL_DEFAULT = ("hvdcomp-fsdp:qsgd4:hsdp",)
 QUICK = ("horovod:fp32", "horovod:fp16", "ddp:fp16", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp:powersgd1",
-         "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:qsgd4")
+         "hvdcomp:birder", "stock:qsgd4", "hvdcomp-ddp:qsgd4", "local:sgd")
 
 
 @dataclass(frozen=True)

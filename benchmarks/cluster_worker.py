@@ -11,9 +11,10 @@ join ``--ddp-init``; they never import Horovod. The warm-up steps cover what is 
 iteration (one bucket, plus the agreement MAX of hvdcomp's hook), FSDP's lazy initialisation, torch PowerSGD's
 start at step 2.
 
-Writes ``<out>/rank<R>.json``: ``step_s`` (seconds of each timed step), ``traffic`` (per timed step,
-``Traffic.as_dict()`` of hvdcomp's statistics, or null where the scheme has none), ``elements``
-(parameters) and ``payload_bits`` (bits per element of the peers' payloads, or null). Writes
+Writes ``<out>/rank<R>.json``: ``step_s`` (seconds of each timed step), ``main_cpu_s`` and ``process_cpu_s``
+(the CPU seconds of each timed step: of the thread that steps, and of all the worker's threads, Horovod's and Gloo's
+included), ``traffic`` (per timed step, ``Traffic.as_dict()`` of hvdcomp's statistics, or null where the scheme
+has none), ``elements`` (parameters) and ``payload_bits`` (bits per element of the peers' payloads, or null). Writes
 the number of steps finished to ``<out>/rank<R>.progress`` after start-up and after every step, for the
 orchestrator's stall watchdog.
 """
@@ -82,8 +83,8 @@ def _hvdcomp_compression(variant: str, bits: int | None) -> Any:
 
 
 def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
-    """horovod:*, stock:* and hvdcomp:* schemes (hvd.init here; with dynamic process sets where the route is
-    hierarchical or open)."""
+    """horovod:*, stock:*, hvdcomp:* and local:* schemes (hvd.init here; with dynamic process sets where the route
+    is hierarchical or open)."""
     import horovod.torch as hvd
 
     import hvdcomp
@@ -93,7 +94,9 @@ def horovod_run(scheme: Scheme, model: nn.Module) -> Run:
     named = list(model.named_parameters())
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
     stats = None
-    if scheme.family == "horovod":
+    if scheme.family == "local":  # no exchange: Horovod only for the barrier
+        optimizer = sgd
+    elif scheme.family == "horovod":
         compression = hvd.Compression.fp16 if scheme.variant == "fp16" else hvd.Compression.none
         optimizer = hvd.DistributedOptimizer(sgd, named_parameters=named, compression=compression)
     elif scheme.family == "stock":
@@ -212,24 +215,27 @@ def ddp_run(scheme: Scheme, model: nn.Module, init_method: str) -> Run:
     return Run(module, optimizer, dist.barrier, lambda: None, payload_bits)
 
 
-def time_steps(run: Run, warmup: int, reps: int, progress: Path) -> tuple[list[float], list[Any]]:
-    """Seconds of backward() + step() of each of ``reps`` steps after ``warmup`` untimed ones, and the
-    scheme's traffic of each timed step. ``progress`` holds the number of steps finished."""
-    seconds, traffic = [], []
+def time_steps(run: Run, warmup: int, reps: int, progress: Path) -> dict[str, list[Any]]:
+    """Of each of ``reps`` steps after ``warmup`` untimed ones: the seconds of backward() + step() (``step_s``), the
+    CPU seconds they took on this thread (``main_cpu_s``) and on all the process's threads (``process_cpu_s``), and
+    the scheme's traffic (``traffic``). ``progress`` holds the number of steps finished."""
+    timed: dict[str, list[Any]] = {"step_s": [], "main_cpu_s": [], "process_cpu_s": [], "traffic": []}
     progress.write_text("0")
     for step in range(warmup + reps):
         run.optimizer.zero_grad()
         loss = run.module()
         run.barrier()
-        started = time.perf_counter()
+        started, main_cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
         loss.backward()
         run.optimizer.step()
         elapsed = time.perf_counter() - started
         if step >= warmup:
-            seconds.append(elapsed)
-            traffic.append(run.traffic())
+            timed["step_s"].append(elapsed)
+            timed["main_cpu_s"].append(time.thread_time() - main_cpu)
+            timed["process_cpu_s"].append(time.process_time() - process_cpu)
+            timed["traffic"].append(run.traffic())
         progress.write_text(str(step + 1))
-    return seconds, traffic
+    return timed
 
 
 def main() -> None:
@@ -248,12 +254,11 @@ def main() -> None:
     model = BENCH_MODELS[args.model]()
     rank = int(os.environ["RANK"] if scheme.torch_distributed else os.environ["HOROVOD_RANK"])
     run = ddp_run(scheme, model, args.ddp_init) if scheme.torch_distributed else horovod_run(scheme, model)
-    seconds, traffic = time_steps(run, args.warmup, args.reps, args.out / f"rank{rank}.progress")
+    timed = time_steps(run, args.warmup, args.reps, args.out / f"rank{rank}.progress")
     # Every worker finished its last step before any exits: a step can end with a node-local collective (Birder's
     # hierarchical route), and a node that exits first shuts Horovod down under the other's last one.
     run.barrier()
-    result = {"step_s": seconds, "traffic": traffic, "payload_bits": run.payload_bits(),
-              "elements": sum(p.numel() for p in model.parameters())}
+    result = {**timed, "payload_bits": run.payload_bits(), "elements": sum(p.numel() for p in model.parameters())}
     partial = args.out / f"rank{rank}.json.partial"
     partial.write_text(json.dumps(result))
     partial.replace(args.out / f"rank{rank}.json")  # appears whole: the orchestrator reads it as soon as it exists

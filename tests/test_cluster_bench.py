@@ -43,6 +43,7 @@ def test_scheme_names():
         assert parse_scheme(name).name == name
     assert parse_scheme("hvdcomp:qsgd4:hier") == Scheme("hvdcomp", "qsgd4", True)
     assert parse_scheme("stock:qsgd8").qsgd_bits == 8
+    assert parse_scheme("local:sgd") == Scheme("local", "sgd") and not parse_scheme("local:sgd").torch_distributed
     assert parse_scheme("hvdcomp:birder").qsgd_bits is None
     for variant in ("none", "fp16", "bf16", "qsgd2", "qsgd8", "multiscale48", "randk1", "powersgd1", "birder"):
         for name in (f"hvdcomp-ddp:{variant}", f"hvdcomp-ddp:{variant}:hier"):
@@ -67,7 +68,8 @@ def test_scheme_names():
     assert parse_scheme("hvdcomp-fsdp:qsgd4:hsdp") == Scheme("hvdcomp-fsdp", "qsgd4", hsdp=True)
     assert {"fsdp:fp32", "fsdp:bf16", "hvdcomp-fsdp:qsgd4"} <= set(FSDP_DEFAULT)
     for bad in ("horovod:qsgd4", "horovod:bf16", "hvdcomp:qsgd17", "ddp:fp16:hier", "hvdcomp:none:flat", "hvdcomp",
-                "mpi:fp32", "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0", "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
+                "mpi:fp32", "local:fp32", "local:sgd:hier", "hvdcomp-ddp:fp32", "hvdcomp-ddp:qsgd0",
+                "hvdcomp-ddp:none:flat", "hvdcomp_ddp:none",
                 "hvdcomp:fp16:two_stage", "hvdcomp-ddp:qsgd4:two_stage", "hvdcomp:qsgd4:two_stage:hier",
                 "stock:qsgd4:two_stage", "hvdcomp:qsgd4:hier:hier", "hvdcomp-fsdp:powersgd1", "fsdp:fp16",
                 "hvdcomp-ddp:qsgd4:hsdp", "hvdcomp-fsdp:qsgd4:hier", "fsdp:fp32:hsdp:two_stage", "hvdcomp:qsgd4:auto",
@@ -117,37 +119,47 @@ def test_hvdcomp_ddp_codecs_match_the_hvdcomp_schemes():
         assert getattr(ours, "seed", None) == getattr(theirs, "seed", None), variant
 
 
+def timed(seconds: float, payload_bits: int | None) -> dict:
+    """One rank's result of one step without hvdcomp's statistics."""
+    return {"step_s": [seconds], "main_cpu_s": [seconds / 2], "process_cpu_s": [seconds], "traffic": [None],
+            "payload_bits": payload_bits, "elements": 200}
+
+
 def test_records_and_table():
     base = {"scheme": "hvdcomp:qsgd4", "nodes": 2, "workers_per_node": 1, "rate": "1gbit", "rate_bps": 10**9,
             "model": "quick", "reps": 3, "warmup": 1, "threads": 1}
     traffic = [{"inter_node_bytes": 100, "compress_s": c, "communicate_s": 0.5, "decompress_s": 0.1} for c in (1, 2, 3)]
-    ranks = [{"step_s": [1.0, 4.0, 2.0], "traffic": traffic, "payload_bits": None, "elements": 200},
-             {"step_s": [3.0, 1.0, 2.5], "traffic": traffic, "payload_bits": None, "elements": 200}]
+    ranks = [{"step_s": [1.0, 4.0, 2.0], "main_cpu_s": [0.5, 1.0, 0.7], "process_cpu_s": [1.0, 2.0, 3.0],
+              "traffic": traffic, "payload_bits": None, "elements": 200},
+             {"step_s": [3.0, 1.0, 2.5], "main_cpu_s": [0.7, 1.0, 0.9], "process_cpu_s": [2.0, 2.0, 2.0],
+              "traffic": traffic, "payload_bits": None, "elements": 200}]
     record = cluster_report.summarize(base, ranks)
     assert record["step_s"] == [3.0, 4.0, 2.5]  # the slowest worker's time of each step
     assert (record["median_s"], record["min_s"]) == (3.0, 2.5)
+    assert (record["main_cpu_s"], record["process_cpu_s"]) == (0.8, 2.0)  # medians over steps of the ranks' means
     assert record["bits_per_element"] == 4.0 and record["compress_s"] == 2
-    fp32 = cluster_report.summarize({**base, "scheme": "horovod:fp32"},
-                                    [{"step_s": [6.0], "traffic": [None], "payload_bits": 32, "elements": 200}])
+    fp32 = cluster_report.summarize({**base, "scheme": "horovod:fp32"}, [timed(6.0, 32)])
     assert fp32["bits_per_element"] == 32 and fp32["compress_s"] is None
     hang = cluster_report.failed({**base, "scheme": "ddp:powersgd1"}, "hang", "no progress for 9 s")
     lines = cluster_report.table([fp32, record, hang]).splitlines()
     assert lines[0].startswith("| scheme | bits/element between nodes | median s | min s |")
-    assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (none ran) |")
+    assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (none ran) | vs local:sgd (no exchange) |")
     assert len({line.count("|") for line in lines}) == 1  # every row has every column
-    assert lines[3] == "| hvdcomp:qsgd4 | 4.00 | 3.000 | 2.500 | 2.000 | 0.500 | 0.100 | 10500000.00 | ×2.00 | – |"
+    assert lines[3] == ("| hvdcomp:qsgd4 | 4.00 | 3.000 | 2.500 | 0.800 / 2.000 | 2.000 | 0.500 | 0.100 | 10500000.00 "
+                        "| ×2.00 | – | – |")
     assert record["codec_ns_per_element"] == pytest.approx(1e9 * 2.1 / 200)  # (compress + decompress) / element
     assert "hang: no progress for 9 s" in lines[4]
 
     # the best 16-bit peer: the fastest of horovod:fp16, ddp:fp16 and ddp:bf16 in the same run
     def peer(scheme, seconds):
-        return cluster_report.summarize({**base, "scheme": scheme},
-                                        [{"step_s": [seconds], "traffic": [None], "payload_bits": 16, "elements": 200}])
+        return cluster_report.summarize({**base, "scheme": scheme}, [timed(seconds, 16)])
 
     peers = [peer("horovod:fp16", 5.0), peer("ddp:bf16", 4.5), peer("ddp:fp16", 4.8), peer("hvdcomp:bf16", 1.0)]
-    lines = cluster_report.table([fp32, *peers, record]).splitlines()
-    assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (ddp:bf16) |")
-    assert lines[-1].endswith("| ×2.00 | ×1.50 |") and lines[4].endswith("| ×1.33 | ×1.00 |")
+    floor = cluster_report.summarize({**base, "scheme": "local:sgd"}, [timed(1.5, None)])
+    lines = cluster_report.table([fp32, *peers, record, floor]).splitlines()
+    assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (ddp:bf16) | vs local:sgd (no exchange) |")
+    assert lines[-2].endswith("| ×2.00 | ×1.50 | ×0.50 |") and lines[4].endswith("| ×1.33 | ×1.00 | ×0.33 |")
+    assert lines[-1].startswith("| local:sgd | – | 1.500 |") and lines[-1].endswith("| ×4.00 | ×3.00 | ×1.00 |")
     assert cluster_report.best_16_bit_peer({"hvdcomp:bf16": 1.0, "ddp:fp16": 3.0}) == "ddp:fp16"
 
 
@@ -171,12 +183,14 @@ def test_quick_run(tmp_path):
         assert (r["nodes"], r["workers_per_node"], r["rate"]) == (2, 1, "1gbit")
         if r["status"] == "ok":
             assert 0 < r["min_s"] <= r["median_s"] and len(r["step_s"]) == 3, name
+            assert 0 < r["main_cpu_s"] <= r["process_cpu_s"], name  # the stepping thread's share of the worker's
         else:
             assert r["status"] in ("hang", "error") and r["detail"] and r["median_s"] is None, name
-    for timed in ("horovod:fp32", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp-ddp:qsgd4"):
+    for timed in ("horovod:fp32", "hvdcomp:none", "hvdcomp:qsgd4", "hvdcomp-ddp:qsgd4", "local:sgd"):
         assert records[timed]["status"] == "ok", records[timed]
     assert records["hvdcomp:qsgd4"]["bits_per_element"] < 8 < 32 == records["horovod:fp32"]["bits_per_element"]
     assert records["hvdcomp-ddp:qsgd4"]["bits_per_element"] < 8 and records["hvdcomp-ddp:qsgd4"]["compress_s"] > 0
+    assert records["local:sgd"]["bits_per_element"] is None and records["local:sgd"]["compress_s"] is None
     assert "| hvdcomp:qsgd4 |" in stdout
     mine = f"{PREFIX}{bench.pid}-"
     assert not [name for name in our_namespaces() if name.startswith(mine)]
