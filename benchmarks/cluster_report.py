@@ -7,6 +7,7 @@ Pure apart from ``plot`` (matplotlib, imported there): the records are built fro
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cluster_schemes import SIXTEEN_BIT_PEERS
@@ -30,21 +31,24 @@ def summarize(base: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, An
     step_s = [max(steps) for steps in zip(*(rank["step_s"] for rank in ranks))]
     record = {**base, "status": "ok", "detail": "", "elements": ranks[0]["elements"], "step_s": step_s,
               "median_s": statistics.median(step_s), "min_s": min(step_s),
-              **{name: statistics.median(map(statistics.fmean, zip(*(rank[name] for rank in ranks))))
-                 for name in CPU_SECONDS},
+              **{name: _median_of_means(rank[name] for rank in ranks) for name in CPU_SECONDS},
               "bits_per_element": ranks[0]["payload_bits"], **{name: None for name in SECONDS},
               "codec_ns_per_element": None}
     traffic = [rank["traffic"] for rank in ranks]
     if all(step is not None for steps in traffic for step in steps):
-        per_step = [[rank_steps[i] for rank_steps in traffic] for i in range(len(step_s))]
 
         def median_of_means(key: str) -> float:
-            return statistics.median(statistics.fmean(rank[key] for rank in step) for step in per_step)
+            return _median_of_means([step[key] for step in steps] for steps in traffic)
 
         record["bits_per_element"] = 8 * median_of_means("inter_node_bytes") / record["elements"]
         record.update({name: median_of_means(name) for name in SECONDS})
         record["codec_ns_per_element"] = codec_ns_per_element(record)
     return record
+
+
+def _median_of_means(per_rank: Iterable[Sequence[float]]) -> float:
+    """The median over the steps of the mean over the ranks; ``per_rank``: each rank's value of each step."""
+    return statistics.median(map(statistics.fmean, zip(*per_rank)))
 
 
 def codec_ns_per_element(record: dict[str, Any]) -> float | None:

@@ -119,7 +119,7 @@ def test_hvdcomp_ddp_codecs_match_the_hvdcomp_schemes():
         assert getattr(ours, "seed", None) == getattr(theirs, "seed", None), variant
 
 
-def timed(seconds: float, payload_bits: int | None) -> dict:
+def one_step(seconds: float, payload_bits: int | None) -> dict:
     """One rank's result of one step without hvdcomp's statistics."""
     return {"step_s": [seconds], "main_cpu_s": [seconds / 2], "process_cpu_s": [seconds], "traffic": [None],
             "payload_bits": payload_bits, "elements": 200}
@@ -138,7 +138,7 @@ def test_records_and_table():
     assert (record["median_s"], record["min_s"]) == (3.0, 2.5)
     assert (record["main_cpu_s"], record["process_cpu_s"]) == (0.8, 2.0)  # medians over steps of the ranks' means
     assert record["bits_per_element"] == 4.0 and record["compress_s"] == 2
-    fp32 = cluster_report.summarize({**base, "scheme": "horovod:fp32"}, [timed(6.0, 32)])
+    fp32 = cluster_report.summarize({**base, "scheme": "horovod:fp32"}, [one_step(6.0, 32)])
     assert fp32["bits_per_element"] == 32 and fp32["compress_s"] is None
     hang = cluster_report.failed({**base, "scheme": "ddp:powersgd1"}, "hang", "no progress for 9 s")
     lines = cluster_report.table([fp32, record, hang]).splitlines()
@@ -152,10 +152,10 @@ def test_records_and_table():
 
     # the best 16-bit peer: the fastest of horovod:fp16, ddp:fp16 and ddp:bf16 in the same run
     def peer(scheme, seconds):
-        return cluster_report.summarize({**base, "scheme": scheme}, [timed(seconds, 16)])
+        return cluster_report.summarize({**base, "scheme": scheme}, [one_step(seconds, 16)])
 
     peers = [peer("horovod:fp16", 5.0), peer("ddp:bf16", 4.5), peer("ddp:fp16", 4.8), peer("hvdcomp:bf16", 1.0)]
-    floor = cluster_report.summarize({**base, "scheme": "local:sgd"}, [timed(1.5, None)])
+    floor = cluster_report.summarize({**base, "scheme": "local:sgd"}, [one_step(1.5, None)])
     lines = cluster_report.table([fp32, *peers, record, floor]).splitlines()
     assert lines[0].endswith("| vs horovod:fp32 | vs best 16-bit peer (ddp:bf16) | vs local:sgd (no exchange) |")
     assert lines[-2].endswith("| ×2.00 | ×1.50 | ×0.50 |") and lines[4].endswith("| ×1.33 | ×1.00 | ×0.33 |")
